@@ -1,0 +1,128 @@
+"""Agents propose; only the runtime writes.
+
+An agent is anything with ``propose(observation, cursor) -> Action | Finish``. ``cursor``
+is the number of proposals the run has made so far (it survives crashes in the
+checkpoint), so a deterministic agent resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from gitrun.codec import digest, encode
+from gitrun.environment import Observation
+from gitrun.errors import BadInput, TaskError
+from gitrun.records import ACTION_KINDS, Action
+from gitrun.task import Task
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str = "plan complete"
+
+
+class Agent(Protocol):
+    @property
+    def identity(self) -> str:
+        """A stable id of this agent and its inputs; resume refuses another agent."""
+        ...
+
+    def propose(self, observation: Observation, cursor: int) -> Action | Finish: ...
+
+
+@dataclass(frozen=True)
+class ScriptAgent:
+    """Follows a fixed list of actions, one per proposal, then finishes."""
+
+    name: str
+    actions: tuple[Action, ...]
+
+    @property
+    def identity(self) -> str:
+        return f"{self.name}:{digest([encode(a) for a in self.actions])}"
+
+    def propose(self, observation: Observation, cursor: int) -> Action | Finish:
+        del observation  # a scripted agent does not look; the gate and adapter do
+        if cursor < len(self.actions):
+            return self.actions[cursor]
+        return Finish()
+
+
+_STEP_KEYS = {"kind", "path", "content", "content_file", "patch_file", "description"}
+
+
+def load_plan(path: Path) -> ScriptAgent:
+    """A plan file: ``[[step]]`` tables, each one action (see sandboxes/*/plan.toml)."""
+    if not path.is_file():
+        raise TaskError(f"{path}: plan file does not exist")
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise TaskError(f"{path}: not valid TOML: {exc}") from exc
+    if set(doc) - {"schema", "step"} or doc.get("schema") != 1:
+        raise TaskError(f"{path}: a plan has schema = 1 and [[step]] tables only")
+    steps = doc.get("step", [])
+    if not isinstance(steps, list) or not steps:
+        raise TaskError(f"{path}: a plan needs at least one [[step]]")
+    return ScriptAgent("plan", tuple(_step(s, i, path) for i, s in enumerate(steps)))
+
+
+def _read(base: Path, rel: object, where: str, path: Path) -> str:
+    if not isinstance(rel, str):
+        raise TaskError(f"{path}: {where} must be a file path")
+    target = (base / rel).resolve()
+    if not target.is_file():
+        raise TaskError(f"{path}: {where} {target} does not exist")
+    return target.read_text(encoding="utf-8")
+
+
+def _step(step: object, i: int, path: Path) -> Action:
+    where = f"step[{i}]"
+    if not isinstance(step, dict):
+        raise TaskError(f"{path}: {where} must be a table")
+    unknown = sorted(set(step) - _STEP_KEYS)
+    if unknown:
+        raise TaskError(f"{path}: unknown field {where}.{unknown[0]}")
+    kind = step.get("kind")
+    if kind not in ACTION_KINDS:
+        raise TaskError(f"{path}: {where}.kind must be one of {ACTION_KINDS}")
+    description = str(step.get("description", ""))
+    if kind == "apply_patch":
+        patch = _read(path.parent, step.get("patch_file"), f"{where}.patch_file", path)
+        return Action("apply_patch", patch=patch, description=description)
+    target = step.get("path")
+    if not isinstance(target, str):
+        raise TaskError(f"{path}: {where}.path must be a string")
+    if kind == "delete_file":
+        return Action("delete_file", path=target, description=description)
+    if "content_file" in step:
+        content = _read(path.parent, step["content_file"], f"{where}.content_file", path)
+    elif isinstance(step.get("content"), str):
+        content = str(step["content"])
+    else:
+        raise TaskError(f"{path}: {where} needs content or content_file")
+    return Action("write_file", path=target, content=content, description=description)
+
+
+def load_agent(spec: str, task: Task) -> tuple[ScriptAgent, str]:
+    """The agent named by ``spec`` and the spec to record (absolute paths) for resume."""
+    if spec == "plan":
+        if task.plan is None:
+            raise BadInput(f"task {task.id} ships no plan; use --agent patch:FILE or plan:FILE")
+        return load_plan(Path(task.plan)), f"plan:{task.plan}"
+    kind, sep, file = spec.partition(":")
+    if not sep or not file or kind not in ("plan", "patch"):
+        raise BadInput(f"unknown agent {spec!r}: use plan, plan:FILE or patch:FILE")
+    target = Path(file).expanduser().resolve()
+    if kind == "plan":
+        return load_plan(target), f"plan:{target}"
+    if not target.is_file():
+        raise BadInput(f"--agent patch:{file}: no such file")
+    text = target.read_text(encoding="utf-8")
+    if not text.strip():
+        raise BadInput(f"--agent patch:{file}: the patch is empty")
+    action = Action("apply_patch", patch=text, description=f"model patch {target.name}")
+    return ScriptAgent("patch", (action,)), f"patch:{target}"

@@ -1,0 +1,503 @@
+"""The environment adapter: one git worktree per run, writes as commits (receipts).
+
+A write builds its tree from the parent's tree (only touched paths), commits it with a
+trailer block, then moves the run's branch in one ref transaction that also locks the
+lease ref and refuses unless the caller's lease is current (fencing). That ref move is
+the commit point of the side effect; the receipt index ref and the files on disk are
+derived from it and repaired when a crash leaves them behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pygit2
+
+from gitrun import faults, gitstore, trees
+from gitrun.codec import digest
+from gitrun.errors import (
+    EnvironmentDrift,
+    GateRejected,
+    GitrunError,
+    LeaseLost,
+    ReceiptConflict,
+    ReceiptDrift,
+)
+from gitrun.lease import Fence, fence_guard
+from gitrun.patch import apply_file_patch, parse_patch
+from gitrun.records import ADAPTER_NAMESPACE_PREFIX, ADAPTER_VERSION, Action, Precondition, Receipt
+
+INSTANCE_FILE = "gitrun-instance.json"
+AUTHOR = ("gitrun", "gitrun@localhost")
+
+TRAILERS = (
+    "Gitrun-Run",
+    "Gitrun-Task",
+    "Gitrun-Action",
+    "Gitrun-Idempotency-Key",
+    "Gitrun-Intent-Digest",
+    "Gitrun-Instance",
+    "Gitrun-Lease",
+    "Gitrun-Approval",
+)
+
+
+def branch_ref(run_id: str) -> str:
+    return f"refs/heads/gitrun/{run_id}"
+
+
+def index_ref(run_id: str, key: str) -> str:
+    return f"refs/gitrun/runs/{run_id}/receipts/{key}"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The state fingerprint; ``status_digest`` is the digest of uncommitted changes."""
+
+    instance_id: str
+    head: str
+    tree: str
+    status_digest: str
+    dirty: tuple[str, ...]
+
+    def fingerprint(self) -> str:
+        return digest([self.instance_id, self.head, self.tree, self.status_digest])
+
+
+@dataclass(frozen=True)
+class Approval:
+    """What the adapter itself enforces of an approval: its fingerprint and expiry."""
+
+    fingerprint: str
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    receipt: Receipt
+    replayed: bool
+
+
+CLEAN_STATUS = digest([])
+
+
+class Environment:
+    """The adapter for one run's worktree."""
+
+    def __init__(self, repo: pygit2.Repository, run_id: str, worktree: Path, task_label: str) -> None:
+        self.repo = repo
+        self.run_id = run_id
+        self.worktree = worktree
+        self.branch = branch_ref(run_id)
+        self.task_label = task_label
+        self._wt: pygit2.Repository | None = None
+        self.write_count = 0  # commits this process actually made (not replays)
+
+    # -- creation and identity ---------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls, repo: pygit2.Repository, run_id: str, base: pygit2.Oid, worktree: Path, task_label: str
+    ) -> Environment:
+        """Branch at ``base``, a worktree on it, and a fresh instance id in its git dir."""
+        if worktree.exists():
+            raise EnvironmentDrift("worktree-exists", f"{worktree} already exists")
+        branch = branch_ref(run_id)
+        gitstore.update_ref(repo, branch, None, base, message="gitrun: run branch", what="branch")
+        worktree.parent.mkdir(parents=True, exist_ok=True)
+        ref = repo.references[branch]
+        repo.add_worktree(f"gitrun-{run_id}", str(worktree), ref)
+        env = cls(repo, run_id, worktree, task_label)
+        gitdir = Path(env.wt.path)
+        record = {"instance_id": str(uuid.uuid4()), "worktree": str(worktree.resolve())}
+        tmp = gitdir / (INSTANCE_FILE + ".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, gitdir / INSTANCE_FILE)
+        gitstore.fsync_dir(gitdir)
+        return env
+
+    @property
+    def wt(self) -> pygit2.Repository:
+        if self._wt is None:
+            if not (self.worktree / ".git").exists():
+                raise EnvironmentDrift("worktree-missing", f"{self.worktree} no longer exists")
+            self._wt = gitstore.open_repo(self.worktree)
+        return self._wt
+
+    def instance_id(self) -> str:
+        """The instance id, valid only for the worktree at the path it was made for."""
+        gitdir = Path(self.wt.path)
+        try:
+            record = json.loads((gitdir / INSTANCE_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise EnvironmentDrift("instance-missing", f"{gitdir} has no gitrun instance id") from exc
+        here = str(self.worktree.resolve())
+        if record.get("worktree") != here:
+            raise EnvironmentDrift(
+                "other-instance",
+                f"{here} is a copy of the worktree at {record.get('worktree')}: same files, "
+                "different environment instance",
+            )
+        return str(record["instance_id"])
+
+    # -- observation -------------------------------------------------------------------
+
+    def head(self) -> pygit2.Commit:
+        oid = gitstore.read_ref(self.repo, self.branch)
+        if oid is None:
+            raise EnvironmentDrift("branch-missing", f"{self.branch} does not exist")
+        commit = self.repo[oid]
+        if not isinstance(commit, pygit2.Commit):
+            raise EnvironmentDrift("branch-not-commit", f"{self.branch} does not point at a commit")
+        return commit
+
+    def observe(self, full: bool = True) -> Observation:
+        """Instance, HEAD commit and tree, and (when ``full``) a digest of ``git status``."""
+        instance = self.instance_id()
+        wt_head = self.wt.head.target
+        head = self.head()
+        if wt_head != head.id:
+            raise EnvironmentDrift(
+                "head-detached", f"the worktree's HEAD {wt_head} is not on {self.branch}"
+            )
+        dirty: tuple[str, ...] = ()
+        status = CLEAN_STATUS
+        if full:
+            entries = sorted(self.wt.status(untracked_files="all", ignored=False).items())
+            dirty = tuple(path for path, _ in entries)
+            status = digest([[p, int(f)] for p, f in entries]) if entries else CLEAN_STATUS
+        return Observation(instance, str(head.id), str(head.tree_id), status, dirty)
+
+    # -- receipts ----------------------------------------------------------------------
+
+    def receipt_of(self, commit: pygit2.Commit) -> Receipt | None:
+        """The receipt a gitrun write commit carries, or None for any other commit."""
+        trailers = commit.message_trailers
+        if trailers.get("Gitrun-Run") != self.run_id or "Gitrun-Idempotency-Key" not in trailers:
+            return None
+        if len(commit.parents) != 1:
+            raise ReceiptDrift("not-a-write", f"commit {commit.id} has {len(commit.parents)} parents")
+        parent = commit.parents[0]
+        diff = parent.tree.diff_to_tree(commit.tree)
+        paths = sorted({d.delta.new_file.path for d in diff} | {d.delta.old_file.path for d in diff})
+        try:
+            lease = int(trailers.get("Gitrun-Lease", "0"))
+        except ValueError as exc:
+            raise ReceiptDrift("trailer", f"commit {commit.id} has a bad Gitrun-Lease") from exc
+        return Receipt(
+            namespace=ADAPTER_NAMESPACE_PREFIX + self.branch,
+            version=ADAPTER_VERSION,
+            commit=str(commit.id),
+            key=trailers["Gitrun-Idempotency-Key"],
+            intent_digest=trailers.get("Gitrun-Intent-Digest", ""),
+            action=trailers.get("Gitrun-Action", ""),
+            parent=str(parent.id),
+            tree=str(commit.tree_id),
+            run_id=self.run_id,
+            instance_id=trailers.get("Gitrun-Instance", ""),
+            lease=lease,
+            approval=trailers.get("Gitrun-Approval", "none"),
+            committed_at=int(commit.commit_time),
+            paths=tuple(paths),
+        )
+
+    def lookup(self, key: str, since: str | None = None) -> Receipt | None:
+        """Find the receipt for ``key``: the index ref, then the history (the authority).
+
+        ``since`` bounds the history walk (the precondition HEAD of the pending intent);
+        without it the walk goes back to the run's base. A rebuilt index ref is written.
+        """
+        tip = self.head()
+        indexed = gitstore.read_ref(self.repo, index_ref(self.run_id, key))
+        if indexed is not None:
+            return self._check_indexed(key, indexed, tip)
+        for commit in self._walk(tip, since):
+            receipt = self.receipt_of(commit)
+            if receipt is not None and receipt.key == key:
+                self._write_index(key, commit.id)
+                return receipt
+        return None
+
+    def _check_indexed(self, key: str, oid: pygit2.Oid, tip: pygit2.Commit) -> Receipt:
+        commit = self.repo.get(oid)
+        if not isinstance(commit, pygit2.Commit):
+            raise ReceiptDrift("index-dangling", f"receipt index for {key} points at no commit")
+        receipt = self.receipt_of(commit)
+        if receipt is None or receipt.key != key:
+            raise ReceiptDrift(
+                "index-mismatch", f"receipt index for {key} points at {oid}, which is not its receipt"
+            )
+        if commit.id != tip.id and not self.repo.descendant_of(tip.id, commit.id):
+            raise ReceiptDrift(
+                "receipt-not-on-branch",
+                f"receipt {oid} for {key} is no longer on {self.branch} (history rewritten?)",
+            )
+        return receipt
+
+    def _walk(self, tip: pygit2.Commit, since: str | None) -> list[pygit2.Commit]:
+        out = []
+        commit: pygit2.Commit | None = tip
+        stop = pygit2.Oid(hex=since) if since else None
+        while commit is not None and commit.id != stop:
+            if self.receipt_of_trailers_only(commit) is None:
+                break  # reached the base: commits below are not this run's writes
+            out.append(commit)
+            commit = commit.parents[0] if commit.parents else None
+        return out
+
+    def receipt_of_trailers_only(self, commit: pygit2.Commit) -> str | None:
+        trailers = commit.message_trailers
+        if trailers.get("Gitrun-Run") != self.run_id:
+            return None
+        return trailers.get("Gitrun-Idempotency-Key")
+
+    def _write_index(self, key: str, oid: pygit2.Oid) -> None:
+        ref = index_ref(self.run_id, key)
+        current = gitstore.read_ref(self.repo, ref)
+        if current != oid:
+            gitstore.update_ref(self.repo, ref, current, oid, message="gitrun receipt index")
+
+    def receipts(self) -> list[Receipt]:
+        """Every receipt on the branch, oldest first (reads history: for audit, not steps)."""
+        out = [self.receipt_of(c) for c in self._walk(self.head(), None)]
+        return [r for r in reversed(out) if r is not None]
+
+    # -- writing -----------------------------------------------------------------------
+
+    def execute(
+        self,
+        action: Action,
+        key: str,
+        intent_digest: str,
+        precondition: Precondition,
+        fence: Fence,
+        approval: Approval | None = None,
+    ) -> Outcome:
+        """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5."""
+        if action.intent_digest() != intent_digest:
+            raise GitrunError(f"intent digest {intent_digest} does not match the action")
+        found = self.lookup(key, since=precondition.head)
+        if found is not None:
+            if found.intent_digest != intent_digest:
+                raise ReceiptConflict(found, intent_digest)
+            return Outcome(found, replayed=True)
+        head = self.head()
+        self._check_precondition(head, precondition)
+        self._check_fence(head, fence, approval)
+        changes = self.plan_changes(action, head.tree)
+        self._check_clean(head.tree, changes)
+        new_tree = trees.tree_with_changes(self.repo, head.tree, {p: c for p, c in changes.items()})
+        oid = self._commit(
+            action, key, intent_digest, precondition, fence, approval, head, new_tree, sorted(changes)
+        )
+        faults.point("after_write_commit_object")
+        guards = [fence_guard(self.repo, self.run_id, fence)]
+        if approval is not None:
+            guards.append(gitstore.Guard(self.branch, _expiry_check(approval)))
+        gitstore.update_ref(
+            self.repo,
+            self.branch,
+            head.id,
+            oid,
+            guards=guards,
+            message=f"gitrun write {key}",
+            what="branch",
+            crash_prefix="write_ref",
+        )
+        self.write_count += 1
+        self._write_index(key, oid)
+        faults.point("after_receipt_index")
+        commit = self.repo[oid]
+        self.sync_files(head.tree, commit.tree, changes)
+        faults.point("after_file_sync")
+        receipt = self.receipt_of(commit)
+        if receipt is None:
+            raise GitrunError(f"commit {oid} carries no receipt")
+        return Outcome(receipt, replayed=False)
+
+    def _check_precondition(self, head: pygit2.Commit, pre: Precondition) -> None:
+        instance = self.instance_id()
+        if instance != pre.instance_id:
+            raise EnvironmentDrift(
+                "other-instance", f"precondition instance {pre.instance_id}, found {instance}"
+            )
+        if str(head.id) != pre.head or str(head.tree_id) != pre.tree:
+            raise EnvironmentDrift(
+                "head-moved", f"{self.branch} is at {head.id}, the intent was planned at {pre.head}"
+            )
+
+    def _check_fence(self, head: pygit2.Commit, fence: Fence, approval: Approval | None) -> None:
+        trailers = head.message_trailers
+        if trailers.get("Gitrun-Run") == self.run_id:
+            highest = int(trailers.get("Gitrun-Lease", "0"))
+            if fence.version < highest:
+                raise LeaseLost(
+                    None,
+                    f"stale fence: lease {fence.version} is older than lease {highest}, "
+                    "which already wrote to this worktree",
+                )
+        if approval is not None and approval.expires_at <= time.time():
+            raise GateRejected("approval-expired", "the approval expired before the write")
+
+    def plan_changes(self, action: Action, tree: pygit2.Tree) -> dict[str, trees.Change]:
+        """The path → new (blob, mode) map an action makes against ``tree`` (no ref moves)."""
+        if action.kind == "write_file" and action.path is not None and action.content is not None:
+            mode = trees.entry_mode(tree, action.path)
+            keep = mode if mode in (trees.BLOB, trees.EXEC) else trees.BLOB
+            return {action.path: (self.repo.create_blob(action.content.encode()), keep)}
+        if action.kind == "delete_file" and action.path is not None:
+            if trees.entry(tree, action.path) is None:
+                raise GateRejected("missing-path", f"{action.path} does not exist; nothing to delete")
+            return {action.path: None}
+        if action.kind == "apply_patch" and action.patch is not None:
+            return self._patch_changes(action.patch, tree)
+        raise GateRejected("malformed-action", f"{action.kind} lacks the fields it needs")
+
+    def _patch_changes(self, text: str, tree: pygit2.Tree) -> dict[str, trees.Change]:
+        changes: dict[str, trees.Change] = {}
+        for fp in parse_patch(text):
+            old = trees.blob_bytes(self.repo, tree, fp.old_path) if fp.old_path else None
+            new = apply_file_patch(old, fp)
+            if fp.old_path and fp.old_path != fp.new_path:
+                changes[fp.old_path] = None
+            if fp.new_path is not None and new is not None:
+                old_mode = trees.entry_mode(tree, fp.old_path) if fp.old_path else None
+                mode = fp.new_mode or old_mode or trees.BLOB
+                changes[fp.new_path] = (self.repo.create_blob(new), mode)
+        return changes
+
+    def _check_clean(self, tree: pygit2.Tree, changes: dict[str, trees.Change]) -> None:
+        """Refuse to overwrite uncommitted edits on the paths this write touches."""
+        for path in changes:
+            on_disk = self.worktree / path
+            expected = trees.blob_bytes(self.repo, tree, path)
+            actual = on_disk.read_bytes() if on_disk.is_file() else None
+            if actual != expected:
+                raise EnvironmentDrift(
+                    "uncommitted-edits", f"{path} has uncommitted changes in {self.worktree}"
+                )
+
+    def _commit(
+        self,
+        action: Action,
+        key: str,
+        intent_digest: str,
+        pre: Precondition,
+        fence: Fence,
+        approval: Approval | None,
+        head: pygit2.Commit,
+        tree: pygit2.Oid,
+        paths: list[str],
+    ) -> pygit2.Oid:
+        body = " ".join(action.description.split()) or action.summary()
+        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        lines = [
+            f"gitrun: {action.kind} {shown}",
+            "",
+            body.replace("---", "- - -"),
+            "",
+            f"Gitrun-Run: {self.run_id}",
+            f"Gitrun-Task: {self.task_label}",
+            f"Gitrun-Action: {action.kind}",
+            f"Gitrun-Idempotency-Key: {key}",
+            f"Gitrun-Intent-Digest: {intent_digest}",
+            f"Gitrun-Instance: {pre.instance_id}",
+            f"Gitrun-Lease: {fence.version}",
+            f"Gitrun-Approval: {approval.fingerprint if approval else 'none'}",
+        ]
+        sig = pygit2.Signature(*AUTHOR, int(time.time()), 0)
+        oid: pygit2.Oid = self.repo.create_commit(
+            None, sig, sig, "\n".join(lines) + "\n", tree, [head.id]
+        )
+        return oid
+
+    # -- files on disk -----------------------------------------------------------------
+
+    def sync_files(
+        self, old: pygit2.Tree, new: pygit2.Tree, changes: dict[str, trees.Change]
+    ) -> None:
+        """Make the worktree files and index match ``new`` for the changed paths."""
+        index = self.wt.index
+        index.read(force=False)
+        for n, path in enumerate(sorted(changes)):
+            target = self.worktree / path
+            obj = trees.entry(new, path)
+            if isinstance(obj, pygit2.Blob):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(target.name + ".gitrun-tmp")
+                tmp.write_bytes(obj.data)
+                mode = trees.entry_mode(new, path)
+                os.chmod(tmp, 0o755 if mode == trees.EXEC else 0o644)
+                os.replace(tmp, target)
+                index.add(pygit2.IndexEntry(path, obj.id, mode or trees.BLOB))
+            else:
+                target.unlink(missing_ok=True)
+                _prune_empty_dirs(target.parent, self.worktree)
+                if path in index:
+                    index.remove(path)
+            if n == 0:
+                faults.point("mid_file_sync")
+        index.write()
+        del old
+
+    def repair_sync(self) -> bool:
+        """Finish a file sync a crash interrupted (window 3). True when something was fixed.
+
+        Only the paths of the HEAD write commit may differ, and each file must hold
+        either its old or its new content; anything else is drift and refused.
+        """
+        head = self.head()
+        status = self.wt.status(untracked_files="all", ignored=False)
+        if not status:
+            return False
+        if self.receipt_of_trailers_only(head) is None or len(head.parents) != 1:
+            raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes: {sorted(status)[:5]}")
+        parent = head.parents[0]
+        changed = {d.delta.new_file.path for d in parent.tree.diff_to_tree(head.tree)}
+        changed |= {d.delta.old_file.path for d in parent.tree.diff_to_tree(head.tree)}
+        for path in status:
+            allowed = path in changed or any(path.startswith(c + "/") for c in changed)
+            on_disk = self.worktree / path
+            data = on_disk.read_bytes() if on_disk.is_file() else None
+            ok_values = (
+                trees.blob_bytes(self.repo, parent.tree, path),
+                trees.blob_bytes(self.repo, head.tree, path),
+            )
+            if not allowed or data not in ok_values:
+                raise EnvironmentDrift(
+                    "uncommitted-edits", f"{path} differs from both HEAD and its parent"
+                )
+        changes: dict[str, trees.Change] = {}
+        for path in changed:
+            obj = trees.entry(head.tree, path)
+            changes[path] = None if obj is None else (obj.id, trees.entry_mode(head.tree, path) or 0)
+        self.sync_files(parent.tree, head.tree, changes)
+        return True
+
+
+def _expiry_check(approval: Approval) -> Callable[[pygit2.Oid | None], None]:
+    def check(_: pygit2.Oid | None) -> None:
+        if approval.expires_at <= time.time():
+            raise GateRejected("approval-expired", "the approval expired before the commit point")
+
+    return check
+
+
+def _prune_empty_dirs(directory: Path, root: Path) -> None:
+    while directory != root and directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
+        directory = directory.parent
+
+
+def is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,51 @@
+"""Named crash points for fault injection.
+
+``GITRUN_CRASH_AT=<point>[:<nth>]`` kills this process with SIGKILL the nth time (default
+the first) execution reaches ``<point>``: no cleanup, no ``finally`` blocks, exactly like a
+power cut or the OOM killer. ``gitrun debug crash-points`` lists the points.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV_VAR = "GITRUN_CRASH_AT"
+
+# name -> the crash window it sits in (DESIGN.md §3), shown by `gitrun debug crash-points`.
+POINTS: dict[str, str] = {
+    "before_propose": "window 1: before a proposal; the last checkpoint is complete",
+    "after_intent_checkpoint": "window 2: intent persisted, no evidence of the write",
+    "after_write_commit_object": "window 2: the commit object exists but no ref points to it",
+    "write_ref_locked": "inside the branch ref transaction: ref lock files held, nothing moved",
+    "write_ref_moved": "window 3: the branch moved (commit point), receipt index not written",
+    "after_receipt_index": "window 3: branch and index moved, worktree files not synced",
+    "mid_file_sync": "window 3: some worktree files synced, others not",
+    "after_file_sync": "window 3: files synced, receipt not in the checkpoint",
+    "checkpoint_ref_locked": "inside the checkpoint ref transaction: lock held, nothing moved",
+    "checkpoint_ref_moved": "window 4: checkpoint advanced, the process has not acted on it",
+    "before_verify": "before the verifier runs; all writes are recorded",
+    "after_verify": "the verifier passed or failed, its event not yet checkpointed",
+}
+
+_counts: dict[str, int] = {}
+
+
+def _target() -> tuple[str, int] | None:
+    spec = os.environ.get(ENV_VAR, "")
+    if not spec:
+        return None
+    name, _, nth = spec.partition(":")
+    return name, int(nth) if nth.isdigit() else 1
+
+
+def point(name: str) -> None:
+    """Die here with SIGKILL if ``GITRUN_CRASH_AT`` names this point (and this pass)."""
+    if name not in POINTS:
+        raise ValueError(f"unknown crash point {name}")
+    target = _target()
+    if target is None or target[0] != name:
+        return
+    _counts[name] = _counts.get(name, 0) + 1
+    if _counts[name] == target[1]:
+        os.kill(os.getpid(), signal.SIGKILL)

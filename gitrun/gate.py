@@ -1,0 +1,167 @@
+"""The contract gate: every proposed action is checked before anything is persisted.
+
+Rules, each with its own name in the rejection: action kind allowed; paths relative,
+normalised, without ``..``, outside ``.git``, not through a symlink, inside the write
+allowlist and outside the forbidden paths; a patch that parses and applies to the
+precondition tree; budgets left. The gate reads the repository and writes nothing.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import pygit2
+
+from gitrun import trees
+from gitrun.errors import GateRejected
+from gitrun.patch import apply_file_patch, changed_line_count, parse_patch, touched_paths
+from gitrun.records import Action, Budgets
+from gitrun.task import Policy, Task
+
+
+@lru_cache(maxsize=256)
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def glob_match(path: str, pattern: str) -> bool:
+    """``*`` and ``?`` stay inside one directory; ``**`` crosses directories."""
+    return _glob_regex(pattern).match(path) is not None
+
+
+def normalise_path(raw: str | None) -> str:
+    """A clean repo-relative POSIX path, or a rejection naming the rule broken."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise GateRejected("path-empty", "the action names no path")
+    if "\x00" in raw or "\\" in raw:
+        raise GateRejected("path-characters", f"{raw!r} contains a NUL or a backslash")
+    if raw.startswith("/") or re.match(r"^[A-Za-z]:", raw):
+        raise GateRejected("path-absolute", f"{raw} is absolute; paths are relative to the repo root")
+    parts = raw.split("/")
+    if ".." in parts:
+        raise GateRejected("path-dotdot", f"{raw} contains '..'")
+    path = posixpath.normpath(raw)
+    if path in (".", ""):
+        raise GateRejected("path-empty", f"{raw} names the repository root, not a file")
+    if any(part.lower() == ".git" for part in path.split("/")):
+        raise GateRejected("path-git-dir", f"{raw} is inside .git")
+    return path
+
+
+@dataclass(frozen=True)
+class Gate:
+    task: Task
+    worktree: Path
+    repo: pygit2.Repository
+
+    @property
+    def policy(self) -> Policy:
+        return self.task.policy
+
+    def check(self, action: Action, tree: pygit2.Tree, used: Budgets, started_at: float) -> Action:
+        """Return the action with normalised paths, or raise :class:`GateRejected`."""
+        self.check_budgets(used, started_at)
+        if action.kind not in self.policy.allowed_actions:
+            raise GateRejected(
+                "action-not-allowed",
+                f"{action.kind} is not allowed by policy {self.policy.id}@{self.policy.version} "
+                f"(allowed: {', '.join(self.policy.allowed_actions)})",
+            )
+        if action.kind == "apply_patch":
+            self._check_patch(action, tree)
+            return action
+        path = normalise_path(action.path)
+        self.check_path(path, tree)
+        if action.kind == "write_file" and action.content is None:
+            raise GateRejected("malformed-action", "write_file needs content")
+        if action.kind == "delete_file" and trees.entry(tree, path) is None:
+            raise GateRejected("missing-path", f"{path} does not exist; nothing to delete")
+        return Action(action.kind, path, action.content, action.patch, action.description)
+
+    def check_budgets(self, used: Budgets, started_at: float) -> None:
+        limits = self.task.budgets
+        if used.proposals >= limits.max_proposals:
+            raise GateRejected("budget-proposals", f"{used.proposals} proposals used of {limits.max_proposals}")
+        if used.steps >= limits.max_steps:
+            raise GateRejected("budget-steps", f"{used.steps} write steps used of {limits.max_steps}")
+        elapsed = used.wall_seconds + (time.time() - started_at)
+        if elapsed >= limits.max_wall_seconds:
+            raise GateRejected(
+                "budget-wall-time", f"{elapsed:.0f}s used of {limits.max_wall_seconds:.0f}s"
+            )
+
+    def check_path(self, path: str, tree: pygit2.Tree) -> None:
+        parts = path.split("/")
+        for i in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:i])
+            if trees.entry_mode(tree, prefix) == trees.LINK:
+                raise GateRejected("path-symlink", f"{path} goes through the symlink {prefix}")
+            if (self.worktree / prefix).is_symlink():
+                raise GateRejected("path-symlink", f"{path} goes through the symlink {prefix} on disk")
+        root = self.worktree.resolve()
+        resolved = (self.worktree / path).resolve()
+        if resolved != root and root not in resolved.parents:
+            raise GateRejected("path-escape", f"{path} resolves outside the worktree")
+        for pattern in self.policy.forbidden_paths:
+            if glob_match(path, pattern):
+                raise GateRejected("path-forbidden", f"{path} matches forbidden path {pattern!r}")
+        if not any(glob_match(path, p) for p in self.policy.write_allowlist):
+            raise GateRejected(
+                "path-not-allowlisted",
+                f"{path} is outside the write allowlist {list(self.policy.write_allowlist)}",
+            )
+
+    def _check_patch(self, action: Action, tree: pygit2.Tree) -> None:
+        if not action.patch:
+            raise GateRejected("malformed-action", "apply_patch needs a patch")
+        patches = parse_patch(action.patch)
+        for raw in touched_paths(patches):
+            path = normalise_path(raw)
+            if path != raw:
+                raise GateRejected("path-not-normal", f"patch path {raw} is not normalised")
+            self.check_path(path, tree)
+        for fp in patches:
+            old = trees.blob_bytes(self.repo, tree, fp.old_path) if fp.old_path else None
+            if fp.old_path is None and fp.new_path and trees.entry(tree, fp.new_path) is not None:
+                raise GateRejected("patch-does-not-apply", f"{fp.new_path} already exists")
+            apply_file_patch(old, fp)
+
+    def risk(self, action: Action) -> str | None:
+        """The name of the first risk rule the action matches (it needs approval), or None."""
+        paths = (
+            touched_paths(parse_patch(action.patch)) if action.kind == "apply_patch" and action.patch
+            else (action.path,) if action.path else ()
+        )
+        lines = changed_line_count(parse_patch(action.patch)) if action.patch else 0
+        for rule in self.policy.risk:
+            if rule.actions and action.kind not in rule.actions:
+                continue
+            if rule.paths and not any(glob_match(p, g) for p in paths for g in rule.paths):
+                continue
+            if rule.patch_lines_over is not None and lines <= rule.patch_lines_over:
+                continue
+            return rule.name
+        return None

@@ -1,0 +1,211 @@
+"""The git store: opening repositories durably, and the one atomic ref-update path.
+
+Every durable change gitrun makes ends in :func:`update_ref`, which
+
+1. takes an OS-level lock (``filelock``) per ref it will lock, in sorted order, so a
+   ``*.lock`` file left by a killed gitrun writer is provably stale for whoever holds
+   that OS lock next (the kernel drops an flock when its process dies);
+2. removes such stale ref lock files, but only once they are older than a grace
+   period, so a foreign ``git`` process that holds a lock for a few milliseconds is
+   never disturbed;
+3. opens one libgit2 ref transaction, locks every ref (the one it moves and those it
+   only fences on), re-reads them under the lock, compares, then moves exactly one ref.
+
+Only one ref moves per call: multi-ref transactions are not crash-atomic on the files
+backend, so each step has exactly one commit point and everything else is derived.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+import pygit2
+from pygit2.enums import Option
+
+from gitrun import faults
+from gitrun.errors import CasFailed, GitrunError
+
+STALE_LOCK_GRACE_SECONDS = 1.0
+LOCK_TIMEOUT_SECONDS = 30.0
+
+_configured = False
+
+
+def configure_git() -> None:
+    """Turn on libgit2's fsync of the git dir; must run before any Repository opens."""
+    global _configured  # noqa: PLW0603 - a process-wide libgit2 option, set once
+    if not _configured:
+        pygit2.option(Option.ENABLE_FSYNC_GITDIR, True)
+        _configured = True
+
+
+def open_repo(path: Path | str) -> pygit2.Repository:
+    """Open a repository with durability on; a clear error if it is not one."""
+    configure_git()
+    try:
+        return pygit2.Repository(str(path))
+    except pygit2.GitError as exc:
+        raise GitrunError(f"{path} is not a git repository: {exc}") from exc
+
+
+def common_dir(repo: pygit2.Repository) -> Path:
+    """The repository's common git dir (shared by all its worktrees)."""
+    gitdir = Path(repo.path)
+    commondir_file = gitdir / "commondir"
+    if commondir_file.is_file():
+        return (gitdir / commondir_file.read_text().strip()).resolve()
+    return gitdir.resolve()
+
+
+def read_ref(repo: pygit2.Repository, name: str) -> pygit2.Oid | None:
+    """The direct target of ``name``, or None when the ref does not exist."""
+    ref = repo.references.get(name)
+    if ref is None:
+        return None
+    target = ref.target
+    if not isinstance(target, pygit2.Oid):
+        raise GitrunError(f"ref {name} is symbolic; gitrun expects a direct ref")
+    return target
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A ref locked and re-read inside the transaction but not changed (fencing)."""
+
+    name: str
+    check: Callable[[pygit2.Oid | None], None]
+
+
+def _lock_path(cdir: Path, refname: str) -> Path:
+    digest = hashlib.sha256(refname.encode()).hexdigest()[:32]
+    return cdir / "gitrun" / "locks" / f"{digest}.flock"
+
+
+def _ref_lock_file(cdir: Path, refname: str) -> Path:
+    return cdir / (refname + ".lock")
+
+
+def _clear_stale_lock(cdir: Path, refname: str) -> None:
+    """Remove ``<ref>.lock`` when we hold the ref's OS lock and the file is not fresh.
+
+    Holding the OS lock proves no live gitrun writer holds the ref lock; the grace
+    period keeps us off a lock a foreign git command holds for a few milliseconds.
+    """
+    lockfile = _ref_lock_file(cdir, refname)
+    deadline = time.monotonic() + STALE_LOCK_GRACE_SECONDS + 1.0
+    while lockfile.exists():
+        try:
+            age = time.time() - lockfile.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= STALE_LOCK_GRACE_SECONDS:
+            lockfile.unlink(missing_ok=True)
+            return
+        if time.monotonic() > deadline:
+            raise GitrunError(f"ref {refname} stays locked by a process that is not gitrun")
+        time.sleep(0.05)
+
+
+@contextmanager
+def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]:
+    """Hold the OS-level lock of every named ref (sorted, so no deadlock)."""
+    cdir = common_dir(repo)
+    with ExitStack() as stack:
+        for name in sorted(set(refnames)):
+            path = _lock_path(cdir, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = filelock.FileLock(str(path), timeout=LOCK_TIMEOUT_SECONDS)
+            try:
+                stack.enter_context(lock)
+            except filelock.Timeout as exc:
+                raise GitrunError(
+                    f"ref {name} is held by a live gitrun process for over "
+                    f"{LOCK_TIMEOUT_SECONDS:.0f}s; try again when it finishes"
+                ) from exc
+            _clear_stale_lock(cdir, name)
+        yield
+
+
+def update_ref(
+    repo: pygit2.Repository,
+    name: str,
+    expected: pygit2.Oid | None,
+    new: pygit2.Oid | None,
+    *,
+    guards: Sequence[Guard] = (),
+    message: str = "gitrun",
+    what: str = "",
+    crash_prefix: str = "",
+) -> None:
+    """Compare-and-swap ``name`` from ``expected`` to ``new`` (None = absent/delete).
+
+    Every guard ref is locked in the same transaction and its check called with its
+    value under the lock; a check that raises aborts the transaction, nothing moves.
+    """
+    names = [name, *(g.name for g in guards)]
+    with os_locks(repo, names):
+        for attempt in range(50):
+            try:
+                _transact(repo, name, expected, new, guards, message, what, crash_prefix)
+            except pygit2.GitError as exc:
+                # A foreign process holds a ref lock for a moment: retry with jitter.
+                if attempt == 49:
+                    raise GitrunError(f"could not lock {name}: {exc}") from exc
+                time.sleep(random.uniform(0.005, 0.03))  # noqa: S311 - jitter, not crypto
+                continue
+            return
+
+
+def _transact(
+    repo: pygit2.Repository,
+    name: str,
+    expected: pygit2.Oid | None,
+    new: pygit2.Oid | None,
+    guards: Sequence[Guard],
+    message: str,
+    what: str,
+    crash_prefix: str,
+) -> None:
+    with repo.transaction() as tx:
+        for ref in sorted({name, *(g.name for g in guards)}):
+            tx.lock_ref(ref)
+        if crash_prefix:
+            faults.point(f"{crash_prefix}_locked")
+        for guard in guards:
+            guard.check(read_ref(repo, guard.name))
+        actual = read_ref(repo, name)
+        if actual != expected:
+            raise CasFailed(name, _hex(expected), _hex(actual), what)
+        if new is None:
+            tx.remove(name)
+        else:
+            tx.set_target(name, new, message=message)
+    if crash_prefix:
+        faults.point(f"{crash_prefix}_moved")
+
+
+def _hex(oid: pygit2.Oid | None) -> str | None:
+    return None if oid is None else str(oid)
+
+
+def write_blob(repo: pygit2.Repository, data: bytes) -> pygit2.Oid:
+    """Write one blob object (durable when fsync is on)."""
+    oid: pygit2.Oid = repo.create_blob(data)
+    return oid
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename or create inside it survives a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

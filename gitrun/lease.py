@@ -1,0 +1,187 @@
+"""Run ownership: one lease ref per run, taken and renewed only by compare-and-swap.
+
+The lease ref ``refs/gitrun/runs/<run>/lease`` points at a blob holding a :class:`Lease`.
+Its ``lease_version`` grows by one on every change of owner and is the fencing token:
+every checkpoint advance and every adapter write locks the lease ref in the same ref
+transaction that moves its own ref and refuses to move unless the lease is still the
+caller's (:func:`fence_guard`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, replace
+
+import pygit2
+
+from gitrun import gitstore
+from gitrun.codec import DecodeError, canonical_bytes, decode, encode
+from gitrun.errors import CasFailed, GitrunError, LeaseHeld, LeaseLost
+
+DEFAULT_DURATION = 30.0
+
+
+@dataclass(frozen=True)
+class Lease:
+    schema: int
+    run_id: str
+    owner_worker: str
+    lease_version: int
+    expires_at: float
+    state_version: int  # checkpoint generation when the lease was last written
+    acquired_at: float
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What a writer presents: the lease it believes it holds."""
+
+    owner: str
+    version: int
+
+
+def lease_ref(run_id: str) -> str:
+    return f"refs/gitrun/runs/{run_id}/lease"
+
+
+def default_worker_id() -> str:
+    """Stable and readable: host, pid and a random part."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def read_lease(repo: pygit2.Repository, run_id: str) -> tuple[Lease | None, pygit2.Oid | None]:
+    oid = gitstore.read_ref(repo, lease_ref(run_id))
+    if oid is None:
+        return None, None
+    return _decode(repo, oid), oid
+
+
+def _decode(repo: pygit2.Repository, oid: pygit2.Oid) -> Lease:
+    try:
+        blob = repo[oid]
+        return decode(Lease, json.loads(blob.data))
+    except (KeyError, ValueError, DecodeError) as exc:
+        raise GitrunError(f"lease object {oid} is unreadable: {exc}") from exc
+
+
+def fence_guard(repo: pygit2.Repository, run_id: str, fence: Fence) -> gitstore.Guard:
+    """A guard that refuses unless the lease (read under its lock) is still ``fence``."""
+
+    def check(oid: pygit2.Oid | None) -> None:
+        if oid is None:
+            raise LeaseLost(None, f"run {run_id} has no lease; this worker no longer owns it")
+        lease = _decode(repo, oid)
+        if lease.owner_worker != fence.owner or lease.lease_version != fence.version:
+            raise LeaseLost(
+                lease.owner_worker,
+                f"lease lost: run {run_id} is now owned by {lease.owner_worker} "
+                f"(lease {lease.lease_version}); this worker held lease {fence.version}",
+            )
+        if lease.expires_at <= time.time():
+            raise LeaseLost(
+                None, f"lease {fence.version} on run {run_id} expired; renew or resume again"
+            )
+
+    return gitstore.Guard(lease_ref(run_id), check)
+
+
+class LeaseManager:
+    """Acquire, renew and release one run's lease for one worker."""
+
+    def __init__(
+        self, repo: pygit2.Repository, run_id: str, worker: str, duration: float = DEFAULT_DURATION
+    ) -> None:
+        self.repo = repo
+        self.run_id = run_id
+        self.worker = worker
+        self.duration = duration
+        self.lease: Lease | None = None
+        self._oid: pygit2.Oid | None = None
+
+    @property
+    def fence(self) -> Fence:
+        if self.lease is None:
+            raise LeaseLost(None, f"worker {self.worker} holds no lease on run {self.run_id}")
+        return Fence(self.worker, self.lease.lease_version)
+
+    def _write(self, lease: Lease, expected: pygit2.Oid | None, what: str) -> None:
+        oid = gitstore.write_blob(self.repo, canonical_bytes(encode(lease)))
+        gitstore.update_ref(
+            self.repo, lease_ref(self.run_id), expected, oid, message=f"gitrun lease {what}", what=what
+        )
+        self.lease, self._oid = lease, oid
+
+    def acquire(self, state_version: int, takeover_after: float | None = None) -> Lease:
+        """Take the lease if free, expired, ours, or older than ``takeover_after`` seconds."""
+        current, oid = read_lease(self.repo, self.run_id)
+        now = time.time()
+        if current is not None and current.owner_worker != self.worker:
+            stale_for = now - (current.expires_at - self.duration)
+            taking_over = current.expires_at <= now or (
+                takeover_after is not None and stale_for >= takeover_after
+            )
+            if not taking_over:
+                raise LeaseHeld(
+                    current.owner_worker,
+                    current.expires_at,
+                    f"another worker owns run {self.run_id}: {current.owner_worker} until "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(current.expires_at))} "
+                    f"({current.expires_at - now:.0f}s left); retry later or pass --takeover-after",
+                )
+        version = 1 if current is None else current.lease_version + (
+            0 if current.owner_worker == self.worker else 1
+        )
+        lease = Lease(1, self.run_id, self.worker, version, now + self.duration, state_version, now)
+        try:
+            self._write(lease, oid, "acquire")
+        except CasFailed as exc:
+            winner, _ = read_lease(self.repo, self.run_id)
+            owner = winner.owner_worker if winner else "unknown"
+            expires = winner.expires_at if winner else 0.0
+            raise LeaseHeld(
+                owner, expires, f"another worker took run {self.run_id} first: {owner}"
+            ) from exc
+        return lease
+
+    def renew(self, state_version: int | None = None) -> Lease:
+        """Extend our lease by compare-and-swap; LeaseLost if it is no longer ours."""
+        if self.lease is None:
+            raise LeaseLost(None, "renew without a lease")
+        current, oid = read_lease(self.repo, self.run_id)
+        if current is None or oid != self._oid:
+            owner = current.owner_worker if current else None
+            raise LeaseLost(owner, f"lease lost on run {self.run_id}: now held by {owner}")
+        if current.expires_at <= time.time():
+            raise LeaseLost(None, f"lease on run {self.run_id} expired before renewal")
+        lease = replace(
+            current,
+            expires_at=time.time() + self.duration,
+            state_version=current.state_version if state_version is None else state_version,
+        )
+        try:
+            self._write(lease, oid, "renew")
+        except CasFailed as exc:
+            raise LeaseLost(None, f"lease lost on run {self.run_id} during renewal") from exc
+        return lease
+
+    def maybe_renew(self, state_version: int | None = None) -> None:
+        """Renew when a third of the lease has passed (cheap to call often)."""
+        if self.lease is not None and self.lease.expires_at - time.time() < self.duration * 2 / 3:
+            self.renew(state_version)
+
+    def release(self) -> None:
+        """Give the lease up on clean exit (expires it now, keeps the version)."""
+        if self.lease is None:
+            return
+        current, oid = read_lease(self.repo, self.run_id)
+        if current is None or oid != self._oid:
+            return
+        try:
+            self._write(replace(current, expires_at=time.time()), oid, "release")
+        except CasFailed:
+            return
+        self.lease = None

@@ -1,0 +1,233 @@
+"""Pure, versioned records: actions, receipts, the run state a checkpoint carries.
+
+No I/O here. Every record is a frozen dataclass; :mod:`gitrun.codec` encodes it to
+canonical JSON and decodes it strictly (unknown field → error).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gitrun.codec import digest, encode
+
+SCHEMA_VERSION = 1
+ADAPTER_NAMESPACE_PREFIX = "git:"
+ADAPTER_VERSION = "gitrun-git/1"
+
+ACTION_KINDS = ("write_file", "delete_file", "apply_patch")
+
+# Phases of a run; a checkpoint names one explicitly.
+RUNNING = "running"
+AWAITING_APPROVAL = "awaiting_approval"
+NEEDS_REVIEW = "needs_review"
+DONE = "done"
+FAILED = "failed"
+PHASES = (RUNNING, AWAITING_APPROVAL, NEEDS_REVIEW, DONE, FAILED)
+TERMINAL = (DONE, FAILED)
+
+
+@dataclass(frozen=True)
+class Action:
+    """A write the agent proposes. Exactly the fields its kind needs are set."""
+
+    kind: str
+    path: str | None = None
+    content: str | None = None
+    patch: str | None = None
+    description: str = ""
+
+    def intent(self) -> dict[str, Any]:
+        """The normalised parameters the intent digest is computed over."""
+        return {"kind": self.kind, "path": self.path, "content": self.content, "patch": self.patch}
+
+    def intent_digest(self) -> str:
+        return digest(self.intent())
+
+    def summary(self) -> str:
+        if self.kind == "apply_patch":
+            return f"apply_patch ({len((self.patch or '').splitlines())} diff lines)"
+        return f"{self.kind} {self.path}"
+
+
+def new_key() -> str:
+    """A fresh idempotency key, made before any side effect and persisted with the intent."""
+    return "k-" + uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """The adapter's receipt: a write commit on the run's branch, read back from git."""
+
+    namespace: str  # "git:<branch ref>"
+    version: str  # adapter protocol version
+    commit: str  # receipt id: the commit oid
+    key: str
+    intent_digest: str
+    action: str
+    parent: str
+    tree: str
+    run_id: str
+    instance_id: str
+    lease: int
+    approval: str  # approval evidence fingerprint, or "none"
+    committed_at: int  # committer time of the commit (seconds)
+    paths: tuple[str, ...]
+
+    def fingerprint(self) -> str:
+        return digest(encode(self))
+
+
+@dataclass(frozen=True)
+class Precondition:
+    """The environment state a pending write was planned against."""
+
+    instance_id: str
+    head: str
+    tree: str
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An intent persisted before its side effect (crash window 2 starts here)."""
+
+    action: Action
+    key: str
+    intent_digest: str
+    risk: str | None  # why it needs approval, or None
+    precondition: Precondition
+    approval: Any | None  # signed approval evidence (encoded), bound to this pending
+    proposed_at: float
+
+
+@dataclass(frozen=True)
+class EnvState:
+    """The environment as last observed: identity and fingerprint, not a copy of the world."""
+
+    instance_id: str
+    worktree: str
+    branch: str
+    base_commit: str
+    head: str
+    tree: str
+    status_digest: str
+    observation_version: str  # = head commit oid
+    adapter_generation: int  # number of writes committed on the branch by this run
+
+
+@dataclass(frozen=True)
+class Budgets:
+    proposals: int = 0
+    steps: int = 0
+    wall_seconds: float = 0.0
+    cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What the run is allowed to do, re-checked before continuing."""
+
+    allowed_actions: tuple[str, ...]
+    write_allowlist: tuple[str, ...]
+    forbidden_paths: tuple[str, ...]
+    policy_version: str
+
+
+@dataclass(frozen=True)
+class VerifierEvent:
+    head: str
+    tree: str
+    passed: bool
+    summary: str
+    outcomes: dict[str, str]
+    at: float
+
+
+@dataclass(frozen=True)
+class Event:
+    """One trace entry. ``data`` is free-form JSON."""
+
+    kind: str
+    at: float
+    data: Any
+
+
+@dataclass(frozen=True)
+class ReceiptLog:
+    """All receipts of the run, bounded: the count, a hash chain over every receipt
+    fingerprint in order, and the last receipt in full. Each receipt appears in full in
+    the ``events`` of the checkpoint that recorded it, so the chain is auditable."""
+
+    count: int = 0
+    chain: str = ""
+    last: Receipt | None = None
+
+    def add(self, receipt: Receipt) -> ReceiptLog:
+        return ReceiptLog(
+            count=self.count + 1,
+            chain=digest([self.chain, receipt.fingerprint()]),
+            last=receipt,
+        )
+
+
+@dataclass(frozen=True)
+class ReviewCase:
+    """A frozen receipt conflict, kept whole until a trusted reviewer decides."""
+
+    action: Action
+    key: str
+    pending_digest: str
+    receipt_digest: str
+    receipt: Receipt
+    receipt_fingerprint: str
+    environment_version: str
+    opened_at: float
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What one checkpoint holds. Bounded in size: the trace lives in the chain."""
+
+    schema: int
+    run_id: str
+    task_id: str
+    task_version: str
+    policy_id: str
+    policy_version: str
+    scenario_fingerprint: str
+    scenario_parts: dict[str, str]
+    agent: str
+    identity: str  # the worker that wrote this checkpoint
+    generation: int
+    phase: str
+    stop_reason: str | None
+    cursor: int
+    budgets: Budgets
+    scope: Scope
+    env: EnvState
+    lease_version: int
+    pending: Pending | None
+    receipts: ReceiptLog
+    quarantined_keys: tuple[str, ...]
+    used_nonces: tuple[str, ...]
+    review: ReviewCase | None
+    sealed: tuple[Any, ...]  # superseded approvals and closed review cases, kept whole
+    verifier: VerifierEvent | None
+    events: tuple[Event, ...]  # new trace events since the previous checkpoint
+    trace_count: int
+    trace_chain: str
+    started_at: float
+    updated_at: float = field(default=0.0)
+
+    def with_events(self, *events: Event) -> RunState:
+        """Append trace events, extending the trace hash chain."""
+        chain = self.trace_chain
+        for ev in events:
+            chain = digest([chain, encode(ev)])
+        return replace(
+            self,
+            events=self.events + events,
+            trace_count=self.trace_count + len(events),
+            trace_chain=chain,
+        )

@@ -1,0 +1,121 @@
+"""Reconciliation on resume: accept the environment only if it is exactly the
+checkpointed state, or that state plus the one commit the pending intent produces.
+
+Window by window (DESIGN.md §3):
+
+1. no pending intent: re-observe; the agent decides again from the same cursor;
+2. intent persisted, branch unmoved: the loop executes it once with the same key;
+3. branch moved by exactly the pending write: verify that commit is the deterministic
+   result (parent, trailers, tree), finish an interrupted file sync, record the receipt;
+4. receipt recorded: nothing to redo; the loop replays only the state transition.
+
+The receipt cached in the checkpoint is checked against the authoritative commit first:
+any drift stops the run with a clear error and never claims a replay.
+"""
+
+from __future__ import annotations
+
+import pygit2
+
+from gitrun import trees
+from gitrun.codec import encode
+from gitrun.errors import EnvironmentDrift, ReceiptDrift
+from gitrun.records import RunState
+from gitrun.runtime import Runtime
+
+
+def check_cached_receipt(rt: Runtime) -> None:
+    """The checkpoint's last receipt must equal, field by field, the commit it names."""
+    last = rt.state.receipts.last
+    if last is None:
+        return
+    found = rt.env.lookup(last.key)
+    if found is None:
+        raise ReceiptDrift(
+            "receipt-missing",
+            f"the checkpoint records {last.commit} for {last.key}, but no such write is on "
+            f"{rt.env.branch} (history rewritten?)",
+        )
+    cached, actual = encode(last), encode(found)
+    differing = sorted(k for k in cached if cached[k] != actual.get(k))
+    if differing:
+        raise ReceiptDrift(
+            "receipt-fields",
+            f"receipt for {last.key} differs between checkpoint and commit in {', '.join(differing)}",
+        )
+
+
+def reconcile(rt: Runtime) -> str:
+    """Bring the runtime and the environment into agreement; return what was done."""
+    s = rt.state
+    env = rt.env
+    if not env.worktree.exists():
+        raise EnvironmentDrift("worktree-missing", f"the run's worktree {env.worktree} was deleted")
+    instance = env.instance_id()
+    if instance != s.env.instance_id:
+        raise EnvironmentDrift(
+            "other-instance",
+            f"worktree instance {instance} is not the checkpoint's {s.env.instance_id}",
+        )
+    check_cached_receipt(rt)
+    tip = env.head()
+    if str(tip.id) == s.env.head:
+        _require_exact(rt, s)
+        return "exact" if s.pending is None else "intent-without-write"
+    if s.pending is not None and _is_pending_write(rt, tip):
+        receipt = env.receipt_of(tip)
+        if receipt is None:
+            raise EnvironmentDrift("foreign-commit", f"{tip.id} is not a gitrun write")
+        if receipt.intent_digest != s.pending.intent_digest:
+            rt.open_review(receipt)
+            return "conflict"
+        env.repair_sync()
+        obs = env.observe(full=True)
+        if obs.dirty:
+            raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes: {list(obs.dirty[:5])}")
+        rt.record(receipt, replayed=True)
+        return "write-reconciled"
+    raise _classify_drift(env.repo, pygit2.Oid(hex=s.env.head), tip.id)
+
+
+def _require_exact(rt: Runtime, s: RunState) -> None:
+    obs = rt.env.observe(full=True)
+    if obs.tree != s.env.tree:
+        raise EnvironmentDrift("tree-changed", f"HEAD tree {obs.tree} is not {s.env.tree}")
+    if obs.dirty:
+        raise EnvironmentDrift(
+            "uncommitted-edits",
+            f"same HEAD {obs.head[:12]} but different files: {', '.join(obs.dirty[:5])}; "
+            "commit nothing there, restore them (git checkout -- .) and resume",
+        )
+
+
+def _is_pending_write(rt: Runtime, tip: pygit2.Commit) -> bool:
+    """True when ``tip`` is exactly the one commit the pending intent produces."""
+    p = rt.state.pending
+    if p is None or len(tip.parents) != 1 or str(tip.parents[0].id) != rt.state.env.head:
+        return False
+    receipt = rt.env.receipt_of(tip)
+    if receipt is None or receipt.key != p.key:
+        return False
+    if receipt.instance_id != p.precondition.instance_id or receipt.action != p.action.kind:
+        raise EnvironmentDrift("foreign-commit", f"{tip.id} carries the key but not the intent's trailers")
+    parent_tree = tip.parents[0].tree
+    expected = trees.tree_with_changes(rt.env.repo, parent_tree, rt.env.plan_changes(p.action, parent_tree))
+    if receipt.intent_digest == p.intent_digest and expected != tip.tree_id:
+        raise EnvironmentDrift(
+            "foreign-commit", f"{tip.id} carries the intent but not the tree it deterministically makes"
+        )
+    return True
+
+
+def _classify_drift(repo: pygit2.Repository, expected: pygit2.Oid, tip: pygit2.Oid) -> EnvironmentDrift:
+    if repo.descendant_of(expected, tip):
+        return EnvironmentDrift(
+            "head-moved-backwards", f"the branch went back from {expected} to {tip}"
+        )
+    if repo.descendant_of(tip, expected):
+        return EnvironmentDrift(
+            "extra-commits", f"the branch has commits after {expected} that no intent explains"
+        )
+    return EnvironmentDrift("foreign-history", f"the branch at {tip} does not contain {expected}")

@@ -1,0 +1,302 @@
+"""The runtime: the step protocol of DESIGN.md §3 as a state machine over checkpoints.
+
+Each transition builds the next :class:`RunState`, and :meth:`Runtime.commit` makes it
+durable (validated, signed, compare-and-swapped, fenced by the lease). A crash between
+any two lines leaves a checkpoint from which :mod:`gitrun.recovery` continues exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import pygit2
+
+from gitrun import faults
+from gitrun.agents import Finish, ScriptAgent
+from gitrun.checkpoint import CheckpointStore
+from gitrun.codec import encode
+from gitrun.environment import Approval, Environment
+from gitrun.errors import EnvironmentDrift, Frozen, GateRejected, GitrunError, ReceiptConflict
+from gitrun.gate import Gate
+from gitrun.lease import LeaseManager
+from gitrun.records import (
+    AWAITING_APPROVAL,
+    DONE,
+    FAILED,
+    NEEDS_REVIEW,
+    RUNNING,
+    Budgets,
+    EnvState,
+    Event,
+    Pending,
+    Precondition,
+    Receipt,
+    ReviewCase,
+    RunState,
+    VerifierEvent,
+    new_key,
+)
+from gitrun.task import Task
+from gitrun.verifier import run_verifier
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Runtime:
+    task: Task
+    env: Environment
+    store: CheckpointStore
+    ref: str
+    lease: LeaseManager
+    agent: ScriptAgent
+    state: RunState
+    checkpoint: pygit2.Oid | None
+    say: Say
+    approvals: ApprovalHook | None = None
+
+    def __post_init__(self) -> None:
+        self._segment_start = time.time()
+        self.gate = Gate(self.task, self.env.worktree, self.env.repo)
+
+    # -- durability --------------------------------------------------------------------
+
+    def commit(self, state: RunState) -> None:
+        """Make ``state`` the next checkpoint (generation + 1)."""
+        now = time.time()
+        used = replace(
+            state.budgets, wall_seconds=state.budgets.wall_seconds + (now - self._segment_start)
+        )
+        fence = self.lease.fence
+        nxt = replace(
+            state,
+            generation=self.state.generation + 1,
+            budgets=used,
+            identity=self.lease.worker,
+            lease_version=fence.version,
+            updated_at=now,
+        )
+        self.checkpoint = self.store.advance(self.ref, nxt, self.checkpoint, fence)
+        self._segment_start = now
+        self.state = replace(nxt, events=())
+        self.lease.maybe_renew(self.state.generation)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self) -> RunState:
+        """Step until done, failed, or frozen (raises :class:`Frozen`)."""
+        while self.state.phase == RUNNING:
+            if self.state.pending is not None:
+                self.execute_pending()
+            else:
+                self.step()
+        if self.state.phase in (AWAITING_APPROVAL, NEEDS_REVIEW):
+            raise Frozen(self.frozen_message())
+        return self.state
+
+    def frozen_message(self) -> str:
+        s = self.state
+        if s.phase == AWAITING_APPROVAL and s.pending is not None:
+            return (
+                f"run {s.run_id} waits for approval of {s.pending.action.summary()} "
+                f"(risk: {s.pending.risk}); approve with: gitrun approve {s.run_id} --key APPROVER.key"
+            )
+        return (
+            f"run {s.run_id} needs review: key {s.pending.key if s.pending else '?'} already "
+            f"committed with another intent; see: gitrun review show {s.run_id}"
+        )
+
+    def step(self) -> None:
+        """Observe, propose, gate, and persist the intent (or the rejection)."""
+        faults.point("before_propose")
+        s = self.state
+        obs = self.env.observe(full=False)
+        decision = self.agent.propose(obs, s.cursor)
+        if isinstance(decision, Finish):
+            self.verify()
+            return
+        tree = self.env.head().tree
+        try:
+            action = self.gate.check(decision, tree, s.budgets, self._segment_start)
+        except GateRejected as exc:
+            self._rejected(decision.summary(), exc)
+            return
+        budgets = replace(s.budgets, proposals=s.budgets.proposals + 1)
+        risk = self.gate.risk(action)
+        pending = Pending(
+            action=action,
+            key=new_key(),
+            intent_digest=action.intent_digest(),
+            risk=risk,
+            precondition=Precondition(obs.instance_id, obs.head, obs.tree),
+            approval=None,
+            proposed_at=time.time(),
+        )
+        event = Event("intent", time.time(), {"key": pending.key, "action": action.summary(),
+                                              "digest": pending.intent_digest, "risk": risk})
+        nxt = replace(s, pending=pending, cursor=s.cursor + 1, budgets=budgets).with_events(event)
+        if risk is not None:
+            nxt = replace(nxt, phase=AWAITING_APPROVAL, stop_reason="awaiting_approval")
+        self.commit(nxt)
+        self.say(f"intent {pending.key}: {action.summary()}" + (f" [needs approval: {risk}]" if risk else ""))
+        faults.point("after_intent_checkpoint")
+
+    def _rejected(self, summary: str, exc: GateRejected) -> None:
+        s = self.state
+        event = Event("gate_rejected", time.time(), {"rule": exc.rule, "message": exc.message, "action": summary})
+        self.say(f"gate rejected {summary}: {exc.message}")
+        if exc.rule.startswith("budget-"):
+            self.commit(replace(s, phase=FAILED, stop_reason="budget_exhausted").with_events(event))
+            return
+        budgets = replace(s.budgets, proposals=s.budgets.proposals + 1)
+        self.commit(replace(s, cursor=s.cursor + 1, budgets=budgets).with_events(event))
+
+    def execute_pending(self) -> None:
+        """Execute the pending intent with its own key (windows 2 and 3), then record it."""
+        s = self.state
+        p = s.pending
+        if p is None:
+            raise GitrunError("no pending action to execute")
+        approval: Approval | None = None
+        if p.risk is not None:
+            if self.approvals is None:
+                raise Frozen(self.frozen_message())
+            approval = self.approvals.binding(self, p)
+        try:
+            outcome = self.env.execute(p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval)
+        except ReceiptConflict as conflict:
+            self.open_review(conflict.receipt)
+            return
+        self.record(outcome.receipt, replayed=outcome.replayed)
+
+    def record(self, receipt: Receipt, replayed: bool) -> None:
+        """Record the receipt of the pending intent: the deterministic transition."""
+        s = self.state
+        p = s.pending
+        if p is None:
+            raise GitrunError("a receipt needs a pending intent")
+        if receipt.key != p.key or receipt.intent_digest != p.intent_digest:
+            raise GitrunError(f"receipt {receipt.commit} is not the pending intent's")
+        if receipt.parent != p.precondition.head or receipt.instance_id != p.precondition.instance_id:
+            raise EnvironmentDrift(
+                "foreign-commit", f"receipt {receipt.commit} was not made on the intent's precondition"
+            )
+        env = replace(
+            s.env,
+            head=receipt.commit,
+            tree=receipt.tree,
+            observation_version=receipt.commit,
+            adapter_generation=s.env.adapter_generation + 1,
+        )
+        budgets = replace(s.budgets, steps=s.budgets.steps + 1)
+        event = Event("receipt", time.time(), {"receipt": encode(receipt), "replayed": replayed,
+                                              "fingerprint": receipt.fingerprint()})
+        self.commit(replace(s, pending=None, env=env, budgets=budgets, receipts=s.receipts.add(receipt)).with_events(event))
+        how = "reconciled" if replayed else "committed"
+        self.say(f"{how} {receipt.commit[:12]} for {receipt.key}")
+
+    def open_review(self, receipt: Receipt) -> None:
+        s = self.state
+        p = s.pending
+        if p is None:
+            raise GitrunError("a review case needs a pending intent")
+        case = ReviewCase(
+            action=p.action,
+            key=p.key,
+            pending_digest=p.intent_digest,
+            receipt_digest=receipt.intent_digest,
+            receipt=receipt,
+            receipt_fingerprint=receipt.fingerprint(),
+            environment_version=self.env.head().id.hex,
+            opened_at=time.time(),
+        )
+        event = Event("receipt_conflict", time.time(), {"case": encode(case)})
+        self.commit(replace(s, phase=NEEDS_REVIEW, stop_reason="receipt_conflict", review=case).with_events(event))
+        self.say(f"receipt conflict on {p.key}: run frozen for review")
+
+    def verify(self) -> None:
+        """Run the verifier on the HEAD after the last write and finish the run."""
+        faults.point("before_verify")
+        obs = self.env.observe(full=True)
+        if obs.dirty:
+            raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes before verify: {list(obs.dirty[:5])}")
+        if obs.head != self.state.env.head:
+            raise EnvironmentDrift("head-moved", f"HEAD {obs.head} is not the last write {self.state.env.head}")
+        self.say(f"verifier: {' '.join(self.task.verifier.command)}")
+        result = run_verifier(
+            self.task.verifier,
+            self.env.worktree,
+            heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
+            progress=self.say,
+        )
+        faults.point("after_verify")
+        after = self.env.observe(full=True)
+        if after.fingerprint() != obs.fingerprint():
+            raise EnvironmentDrift("verifier-changed-tree", f"the test command changed the worktree: {list(after.dirty[:5])}")
+        event = VerifierEvent(obs.head, obs.tree, result.passed, result.summary, dict(result.outcomes), time.time())
+        phase, reason = (DONE, "verified") if result.passed else (FAILED, "verifier_failed")
+        s = self.state
+        env = replace(s.env, status_digest=obs.status_digest)
+        trace = Event("verifier", time.time(), {**encode(event), "exit_code": result.exit_code,
+                                               "timed_out": result.timed_out})
+        self.commit(replace(s, phase=phase, stop_reason=reason, verifier=event, env=env).with_events(trace))
+        self.say(f"verifier: {result.summary}")
+
+
+class ApprovalHook:
+    """Turns a pending action's approval evidence into what the adapter enforces."""
+
+    def binding(self, runtime: Runtime, pending: Pending) -> Approval:
+        raise Frozen(runtime.frozen_message())
+
+
+def initial_state(
+    *,
+    run_id: str,
+    task: Task,
+    agent: str,
+    worker: str,
+    env_state: EnvState,
+    lease_version: int,
+    scenario_parts: dict[str, str],
+) -> RunState:
+    from gitrun.records import SCHEMA_VERSION, ReceiptLog, Scope
+    from gitrun.task import scenario_fingerprint
+
+    now = time.time()
+    p = task.policy
+    state = RunState(
+        schema=SCHEMA_VERSION,
+        run_id=run_id,
+        task_id=task.id,
+        task_version=task.version,
+        policy_id=p.id,
+        policy_version=p.version,
+        scenario_fingerprint=scenario_fingerprint(scenario_parts),
+        scenario_parts=scenario_parts,
+        agent=agent,
+        identity=worker,
+        generation=1,
+        phase=RUNNING,
+        stop_reason=None,
+        cursor=0,
+        budgets=Budgets(),
+        scope=Scope(p.allowed_actions, p.write_allowlist, p.forbidden_paths, p.version),
+        env=env_state,
+        lease_version=lease_version,
+        pending=None,
+        receipts=ReceiptLog(),
+        quarantined_keys=(),
+        used_nonces=(),
+        review=None,
+        sealed=(),
+        verifier=None,
+        events=(),
+        trace_count=0,
+        trace_chain="",
+        started_at=now,
+        updated_at=now,
+    )
+    return state.with_events(Event("started", now, {"worker": worker, "agent": agent}))

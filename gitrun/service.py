@@ -1,0 +1,254 @@
+"""Use cases behind the CLI: start a run, resume it, report on it.
+
+Each function wires the pieces (workspace, repository, environment, checkpoint store,
+lease, agent) and returns plain results; the CLI only parses and prints.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pygit2
+
+from gitrun import gitstore, trees
+from gitrun.agents import ScriptAgent, load_agent
+from gitrun.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
+from gitrun.codec import encode
+from gitrun.environment import Environment, branch_ref
+from gitrun.errors import BadInput, CheckpointRejected, GitrunError, LeaseLost
+from gitrun.keys import load_keyring
+from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, read_lease
+from gitrun.records import TERMINAL, EnvState, RunState
+from gitrun.recovery import reconcile
+from gitrun.runtime import ApprovalHook, Runtime, initial_state
+from gitrun.task import Task, load_task
+from gitrun.workspace import RunRecord, Workspace, check_run_id, new_run_id, user_repo
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+@dataclass
+class Options:
+    workspace: Workspace
+    worker: str = field(default_factory=default_worker_id)
+    lease_seconds: float = DEFAULT_DURATION
+    takeover_after: float | None = None
+    say: Callable[[str], None] = _quiet
+    approvals: ApprovalHook | None = None
+
+
+@dataclass
+class Opened:
+    record: RunRecord
+    task: Task
+    repo: pygit2.Repository
+    env: Environment
+    store: CheckpointStore
+
+
+def _base_parts(task: Task, repo: pygit2.Repository, record_base: str | None) -> dict[str, str]:
+    """Scenario parts from the task file as handed in now (initial state recomputed)."""
+    if task.initial.repo_dir is not None:
+        commit, tree = trees.hash_base(Path(task.initial.repo_dir), task.initial.message)
+    elif task.initial.commit is not None:
+        commit = task.initial.commit
+        obj = repo.get(commit)
+        tree = str(obj.tree_id) if isinstance(obj, pygit2.Commit) else "missing"
+    else:
+        commit = record_base or ""
+        obj = repo.get(commit) if commit else None
+        tree = str(obj.tree_id) if isinstance(obj, pygit2.Commit) else "missing"
+    return task.scenario_parts(commit, tree)
+
+
+def start(task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: str, run_id: str | None) -> RunState:
+    """Create a run (worktree, first checkpoint) and drive it to an end or a freeze."""
+    task = load_task(task_dir)
+    agent, recorded_spec = load_agent(agent_spec, task)
+    ws = opts.workspace
+    rid = check_run_id(run_id) if run_id else new_run_id(task.id)
+    if (ws.root / "runs" / f"{rid}.json").exists():
+        raise BadInput(f"run {rid} already exists; resume it with `gitrun resume {rid}`")
+    keyring = load_keyring(ws.key_file)
+    if repo_path is not None:
+        repo, base = user_repo(repo_path, task.initial.commit)
+    elif task.initial.path is not None:
+        repo, base = user_repo(Path(task.initial.path), task.initial.commit)
+    else:
+        repo, base = ws.sandbox_repo(task)
+    if gitstore.read_ref(repo, branch_ref(rid)) is not None:
+        raise BadInput(f"branch gitrun/{rid} already exists in {repo.workdir}; pick another --run-id")
+    record = RunRecord(rid, str(Path(repo.path).parent if not repo.is_bare else repo.path),
+                       task.task_dir, str(ws.worktree_path(rid)), branch_ref(rid), recorded_spec,
+                       str(base), time.time())
+    ws.save(record)
+    return _setup_and_run(record, task, repo, agent, keyring_store(repo, ws), opts)
+
+
+def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
+    return CheckpointStore(repo, load_keyring(ws.key_file))
+
+
+def _setup_and_run(record: RunRecord, task: Task, repo: pygit2.Repository, agent: ScriptAgent,
+                   store: CheckpointStore, opts: Options) -> RunState:
+    lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
+    lease.acquire(0, opts.takeover_after)
+    try:
+        env = Environment.create(repo, record.run_id, pygit2.Oid(hex=record.base_commit),
+                                 Path(record.worktree), f"{task.id}@{task.version}")
+        obs = env.observe(full=True)
+        parts = _base_parts(task, repo, record.base_commit)
+        state = initial_state(
+            run_id=record.run_id, task=task, agent=agent.identity, worker=opts.worker,
+            env_state=EnvState(obs.instance_id, record.worktree, record.branch, record.base_commit,
+                               obs.head, obs.tree, obs.status_digest, obs.head, 0),
+            lease_version=lease.fence.version, scenario_parts=parts,
+        )
+        ref = checkpoint_ref(record.run_id, task.id, obs.instance_id)
+        oid = store.advance(ref, state, None, lease.fence)
+        opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
+        rt = Runtime(task, env, store, ref, lease, agent, replace(state, events=()), oid, opts.say, opts.approvals)
+        return _drive(rt)
+    finally:
+        _release(lease)
+
+
+def _release(lease: LeaseManager) -> None:
+    try:
+        lease.release()
+    except GitrunError:
+        return
+
+
+def _drive(rt: Runtime) -> RunState:
+    try:
+        return rt.run()
+    except LeaseLost as exc:
+        raise LeaseLost(exc.owner, f"{exc.message}; stopped without writing") from exc
+
+
+def open_run(run_id: str, opts: Options, task_dir: Path | None = None) -> Opened:
+    ws = opts.workspace
+    record = ws.load(check_run_id(run_id))
+    task = load_task(task_dir or record.task_dir)
+    repo = gitstore.open_repo(record.repo)
+    env = Environment(repo, record.run_id, Path(record.worktree), f"{task.id}@{task.version}")
+    return Opened(record, task, repo, env, keyring_store(repo, ws))
+
+
+def _the_ref(opened: Opened) -> str | None:
+    refs = find_checkpoint_refs(opened.repo, opened.record.run_id)
+    if len(refs) > 1:
+        raise CheckpointRejected("ambiguous", f"run {opened.record.run_id} has {len(refs)} checkpoint refs")
+    return refs[0] if refs else None
+
+
+def load_verified(opened: Opened, *, check_scenario: bool = True) -> tuple[str, Stored]:
+    ref = _the_ref(opened)
+    if ref is None:
+        raise CheckpointRejected(
+            "high-water-mark-missing",
+            f"run {opened.record.run_id} has no checkpoint ref under refs/gitrun/runs/"
+            f"{opened.record.run_id}/checkpoints/; nothing can be trusted",
+        )
+    parts = _base_parts(opened.task, opened.repo, opened.record.base_commit) if check_scenario else None
+    return ref, opened.store.load(ref, scenario_parts=parts)
+
+
+def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState:
+    """Verify the checkpoint, take the lease, reconcile the environment, carry on."""
+    opened = open_run(run_id, opts, task_dir)
+    record, task, repo = opened.record, opened.task, opened.repo
+    agent, _ = load_agent(record.agent, task)
+    if _the_ref(opened) is None and _never_started(opened):
+        _discard_setup(opened)
+        return _setup_and_run(record, task, repo, agent, opened.store, opts)
+    ref, stored = load_verified(opened)
+    state = stored.state
+    if state.agent != agent.identity:
+        raise CheckpointRejected("agent-changed", f"the agent's inputs changed since the checkpoint ({record.agent})")
+    if state.phase in TERMINAL:
+        return state
+    lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
+    lease.acquire(state.generation, opts.takeover_after)
+    try:
+        rt = Runtime(task, opened.env, opened.store, ref, lease, agent, state, stored.oid, opts.say, opts.approvals)
+        what = reconcile(rt)
+        opts.say(f"resume {record.run_id} at generation {state.generation}: {what}")
+        return _drive(rt)
+    finally:
+        _release(lease)
+
+
+def _never_started(opened: Opened) -> bool:
+    """No checkpoint was ever written: the branch is absent or still at the base."""
+    tip = gitstore.read_ref(opened.repo, opened.record.branch)
+    return tip is None or str(tip) == opened.record.base_commit
+
+
+def _discard_setup(opened: Opened) -> None:
+    """Undo a setup a crash interrupted before the first checkpoint (nothing was done)."""
+    rec = opened.record
+    wt_name = f"gitrun-{rec.run_id}"
+    if wt_name in opened.repo.list_worktrees():
+        opened.repo.lookup_worktree(wt_name).prune(True)
+    shutil.rmtree(rec.worktree, ignore_errors=True)
+    tip = gitstore.read_ref(opened.repo, rec.branch)
+    if tip is not None:
+        gitstore.update_ref(opened.repo, rec.branch, tip, None, message="gitrun: discard unstarted run")
+
+
+def status(run_id: str, opts: Options) -> dict[str, Any]:
+    """Everything a user needs to know about a run, from the verified checkpoint."""
+    opened = open_run(run_id, opts)
+    rec = opened.record
+    lease, _ = read_lease(opened.repo, rec.run_id)
+    out: dict[str, Any] = {
+        "run_id": rec.run_id, "repo": rec.repo, "worktree": rec.worktree,
+        "branch": rec.branch.removeprefix("refs/heads/"), "task_dir": rec.task_dir,
+        "workspace": str(opts.workspace.root), "key_file": str(opts.workspace.key_file),
+        "lease": None if lease is None else {**encode(lease), "live": lease.expires_at > time.time()},
+    }
+    try:
+        ref, stored = load_verified(opened, check_scenario=False)
+    except CheckpointRejected as exc:
+        return {**out, "task_id": opened.task.id, "phase": "unknown", "stop_reason": None,
+                "checkpoint_error": str(exc), "head": None, "pending": None, "receipts": [], "verifier": None}
+    s = stored.state
+    return {
+        **out, "task_id": s.task_id, "phase": s.phase, "stop_reason": s.stop_reason,
+        "generation": s.generation, "checkpoint_ref": ref, "checkpoint": str(stored.oid),
+        "head": s.env.head, "instance_id": s.env.instance_id,
+        "pending": None if s.pending is None else {
+            "key": s.pending.key, "action": s.pending.action.summary(), "intent_digest": s.pending.intent_digest,
+            "risk": s.pending.risk, "approval": s.pending.approval},
+        "receipts": [encode(r) for r in opened.env.receipts()],
+        "verifier": None if s.verifier is None else encode(s.verifier),
+        "budgets": encode(s.budgets), "review": None if s.review is None else encode(s.review),
+    }
+
+
+def receipts(run_id: str, opts: Options) -> list[dict[str, Any]]:
+    opened = open_run(run_id, opts)
+    return [encode(r) for r in opened.env.receipts()]
+
+
+def checkpoints(run_id: str, opts: Options) -> list[Stored]:
+    opened = open_run(run_id, opts)
+    ref = _the_ref(opened)
+    if ref is None:
+        raise CheckpointRejected("high-water-mark-missing", f"run {run_id} has no checkpoint ref")
+    return opened.store.chain(ref)
+
+
+def verify(run_id: str, opts: Options, task_dir: Path | None) -> Stored:
+    opened = open_run(run_id, opts, task_dir)
+    _, stored = load_verified(opened)
+    return stored

@@ -1,0 +1,147 @@
+"""Where state lives outside the repository: the workspace (``GITRUN_HOME``).
+
+``<home>/repos/<task_id>/``  the repository of a bundled sandbox (base commit on ``main``)
+``<home>/worktrees/<run_id>/`` each run's git worktree
+``<home>/runs/<run_id>.json`` the run registry: where the run's repository and task are
+``<home>/keys/checkpoint.keyring`` the HMAC keyring (0600), unless a key file is given
+
+The registry is a locator only. Everything authoritative is in git: the branch, the
+receipts, the signed checkpoint chain and the lease, all under the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pygit2
+
+from gitrun import gitstore, trees
+from gitrun.codec import DecodeError, decode, encode
+from gitrun.errors import BadInput, GitrunError, UnknownRun
+from gitrun.task import Task
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def default_home() -> Path:
+    explicit = os.environ.get("GITRUN_HOME")
+    if explicit:
+        return Path(explicit)
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "gitrun"
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_id: str
+    repo: str
+    task_dir: str
+    worktree: str
+    branch: str
+    agent: str
+    base_commit: str
+    created_at: float
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID_RE.match(run_id) or run_id.endswith(".lock") or ".." in run_id:
+        raise BadInput(
+            f"run id {run_id!r} is not valid: use letters, digits, '.', '_' and '-' (max 64)"
+        )
+    return run_id
+
+
+def new_run_id(task_id: str) -> str:
+    return f"{task_id}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+class Workspace:
+    def __init__(self, root: Path | None = None, key_file: Path | None = None) -> None:
+        self.root = (root or default_home()).expanduser().resolve()
+        env_key = os.environ.get("GITRUN_KEY_FILE")
+        self.key_file = key_file or (Path(env_key) if env_key else self.root / "keys" / "checkpoint.keyring")
+
+    def worktree_path(self, run_id: str) -> Path:
+        return self.root / "worktrees" / run_id
+
+    def _record_path(self, run_id: str) -> Path:
+        return self.root / "runs" / f"{check_run_id(run_id)}.json"
+
+    def save(self, record: RunRecord) -> None:
+        path = self._record_path(record.run_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(encode(record), indent=1))
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        gitstore.fsync_dir(path.parent)
+
+    def load(self, run_id: str) -> RunRecord:
+        path = self._record_path(run_id)
+        if not path.is_file():
+            raise UnknownRun(f"unknown run id {run_id!r}: no {path}; see `gitrun list`")
+        try:
+            return decode(RunRecord, json.loads(path.read_text()))
+        except (ValueError, DecodeError) as exc:
+            raise GitrunError(f"run registry {path} is unreadable: {exc}") from exc
+
+    def runs(self) -> list[RunRecord]:
+        folder = self.root / "runs"
+        if not folder.is_dir():
+            return []
+        return [self.load(p.stem) for p in sorted(folder.glob("*.json"))]
+
+    def sandbox_repo(self, task: Task) -> tuple[pygit2.Repository, pygit2.Oid]:
+        """The sandbox's repository, with its deterministic base commit on ``main``."""
+        if task.initial.repo_dir is None:
+            raise BadInput(f"task {task.id} ships no repo; pass --repo PATH")
+        path = self.root / "repos" / task.id
+        with_lock = path.parent / f".{task.id}.create"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        import filelock
+
+        with filelock.FileLock(str(with_lock) + ".flock", timeout=60):
+            if not (path / ".git").exists():
+                gitstore.configure_git()
+                pygit2.init_repository(str(path), bare=False, initial_head="main")
+            repo = gitstore.open_repo(path)
+            tree = trees.tree_from_dir(repo, Path(task.initial.repo_dir))
+            base = trees.deterministic_commit(repo, tree, task.initial.message, [])
+            if gitstore.read_ref(repo, "refs/heads/main") is None:
+                gitstore.update_ref(repo, "refs/heads/main", None, base, message="gitrun: sandbox base")
+                repo.checkout("refs/heads/main")
+        return repo, base
+
+
+def user_repo(path: Path, commit: str | None) -> tuple[pygit2.Repository, pygit2.Oid]:
+    """An existing repository (clean), and its base commit: ``commit`` or HEAD."""
+    if not path.exists():
+        raise BadInput(f"--repo {path}: no such directory")
+    discovered = pygit2.discover_repository(str(path))
+    if discovered is None:
+        raise BadInput(f"--repo {path}: not a git repository (run `git init` there first)")
+    repo = gitstore.open_repo(discovered)
+    if repo.is_bare:
+        raise BadInput(f"--repo {path}: a bare repository has no working tree to check")
+    if repo.head_is_unborn:
+        raise BadInput(f"--repo {path}: the repository has no commits yet; commit a base first")
+    dirty = {p for p, f in repo.status(untracked_files="no").items() if f != pygit2.enums.FileStatus.CURRENT}
+    if dirty:
+        raise BadInput(
+            f"--repo {path}: uncommitted changes in {sorted(dirty)[0]} (and {len(dirty) - 1} more); "
+            "commit or stash them first"
+        )
+    if commit is None:
+        return repo, repo.head.target
+    try:
+        obj = repo.revparse_single(commit)
+    except (KeyError, ValueError) as exc:
+        raise BadInput(f"initial.commit {commit} is not in {path}") from exc
+    return repo, obj.peel(pygit2.Commit).id
