@@ -16,6 +16,7 @@ import socket
 import time
 from dataclasses import dataclass, replace
 
+import filelock
 import pygit2
 
 from gitrun import gitstore
@@ -101,6 +102,32 @@ class LeaseManager:
         self.duration = duration
         self.lease: Lease | None = None
         self._oid: pygit2.Oid | None = None
+        self._owner_lock: filelock.BaseFileLock | None = None
+
+    def _claim_owner_lock(self) -> bool:
+        """Take this run's OS-level owner lock without waiting.
+
+        Every owner holds it while it works and the kernel drops it when the owner dies,
+        so getting it proves the previous owner on this machine is gone (a SIGKILLed
+        worker's lease can be taken at once); not getting it says nothing more than the
+        lease does, and expiry decides.
+        """
+        if self._owner_lock is not None:
+            return True
+        path = gitstore.common_dir(self.repo) / "gitrun" / "owners" / f"{self.run_id}.flock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(str(path), timeout=0)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            return False
+        self._owner_lock = lock
+        return True
+
+    def _drop_owner_lock(self) -> None:
+        if self._owner_lock is not None:
+            self._owner_lock.release()
+            self._owner_lock = None
 
     @property
     def fence(self) -> Fence:
@@ -117,12 +144,15 @@ class LeaseManager:
 
     def acquire(self, state_version: int, takeover_after: float | None = None) -> Lease:
         """Take the lease if free, expired, ours, or older than ``takeover_after`` seconds."""
+        owner_gone = self._claim_owner_lock()
         current, oid = read_lease(self.repo, self.run_id)
         now = time.time()
         if current is not None and current.owner_worker != self.worker:
             stale_for = now - (current.expires_at - self.duration)
-            taking_over = current.expires_at <= now or (
-                takeover_after is not None and stale_for >= takeover_after
+            taking_over = (
+                owner_gone
+                or current.expires_at <= now
+                or (takeover_after is not None and stale_for >= takeover_after)
             )
             if not taking_over:
                 raise LeaseHeld(
@@ -142,6 +172,7 @@ class LeaseManager:
             winner, _ = read_lease(self.repo, self.run_id)
             owner = winner.owner_worker if winner else "unknown"
             expires = winner.expires_at if winner else 0.0
+            self._drop_owner_lock()
             raise LeaseHeld(
                 owner, expires, f"another worker took run {self.run_id} first: {owner}"
             ) from exc
@@ -176,12 +207,14 @@ class LeaseManager:
     def release(self) -> None:
         """Give the lease up on clean exit (expires it now, keeps the version)."""
         if self.lease is None:
-            return
-        current, oid = read_lease(self.repo, self.run_id)
-        if current is None or oid != self._oid:
+            self._drop_owner_lock()
             return
         try:
-            self._write(replace(current, expires_at=time.time()), oid, "release")
+            current, oid = read_lease(self.repo, self.run_id)
+            if current is not None and oid == self._oid:
+                self._write(replace(current, expires_at=time.time()), oid, "release")
         except CasFailed:
-            return
-        self.lease = None
+            pass
+        finally:
+            self.lease = None
+            self._drop_owner_lock()

@@ -1,0 +1,5 @@
+"""``python -m gitrun`` runs the CLI."""
+
+from gitrun.cli import main
+
+main()
