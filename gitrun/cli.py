@@ -21,11 +21,19 @@ from gitrun.errors import Exit, GitrunError
 from gitrun.records import DONE, RunState
 from gitrun.workspace import Workspace
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="gitrun: durable, exactly-once steps for code-editing agents, with git as the store.",
+)
 checkpoint_app = typer.Typer(no_args_is_help=True, help="Verify checkpoints.")
 debug_app = typer.Typer(no_args_is_help=True, help="Debugging aids.")
+keys_app = typer.Typer(no_args_is_help=True, help="Approver/reviewer keys and the checkpoint keyring.")
+review_app = typer.Typer(no_args_is_help=True, help="Review a run frozen by a receipt conflict.")
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(debug_app, name="debug")
+app.add_typer(keys_app, name="keys")
+app.add_typer(review_app, name="review")
 
 WorkspaceOpt = Annotated[
     Path | None,
@@ -39,6 +47,10 @@ LeaseOpt = Annotated[float, typer.Option("--lease-seconds", min=1.0, help="Lease
 TakeoverOpt = Annotated[
     float | None, typer.Option("--takeover-after", min=0.0, help="Take over a lease not renewed for this long.")
 ]
+TrustOpt = Annotated[
+    Path | None,
+    typer.Option("--trust-roots", envvar="GITRUN_TRUST_ROOTS", help="Public keys of approvers/reviewers."),
+]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final line.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
@@ -50,9 +62,11 @@ def _say(line: str) -> None:
 def _options(
     workspace: Path | None, key_file: Path | None, worker: str | None = None,
     lease_seconds: float = 30.0, takeover_after: float | None = None, quiet: bool = False,
+    trust_roots: Path | None = None,
 ) -> service.Options:
     opts = service.Options(Workspace(workspace, key_file), lease_seconds=lease_seconds,
-                           takeover_after=takeover_after, say=(lambda _: None) if quiet else _say)
+                           takeover_after=takeover_after, say=(lambda _: None) if quiet else _say,
+                           trust_roots=trust_roots)
     if worker:
         opts.worker = worker
     return opts
@@ -71,10 +85,10 @@ def run(
     agent: Annotated[str, typer.Option("--agent", help="plan, plan:FILE or patch:FILE.")] = "plan",
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name the run.")] = None,
     workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None, worker_id: WorkerOpt = None,
-    lease_seconds: LeaseOpt = 30.0, quiet: QuietOpt = False,
+    lease_seconds: LeaseOpt = 30.0, quiet: QuietOpt = False, trust_roots: TrustOpt = None,
 ) -> None:
     """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
-    opts = _options(workspace, key_file, worker_id, lease_seconds, None, quiet)
+    opts = _options(workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots)
     _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=agent, run_id=run_id))
 
 
@@ -84,9 +98,10 @@ def resume(
     task: Annotated[Path | None, typer.Option("--task", help="The task directory (default: the run's).")] = None,
     workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None, worker_id: WorkerOpt = None,
     lease_seconds: LeaseOpt = 30.0, takeover_after: TakeoverOpt = None, quiet: QuietOpt = False,
+    trust_roots: TrustOpt = None,
 ) -> None:
     """Continue a run that stopped anywhere: verify, reconcile, carry on exactly once."""
-    opts = _options(workspace, key_file, worker_id, lease_seconds, takeover_after, quiet)
+    opts = _options(workspace, key_file, worker_id, lease_seconds, takeover_after, quiet, trust_roots)
     _finish(service.resume(run_id, opts, task))
 
 
@@ -167,6 +182,98 @@ def crash_points() -> None:
     """List the named crash points for GITRUN_CRASH_AT=<point>[:<nth>]."""
     for name, what in faults.POINTS.items():
         typer.echo(f"{name:<28} {what}")
+
+
+def _seconds(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise GitrunError(f"--ttl {text!r} is not a duration like 90s, 30m, 1h or 2d")
+    return value
+
+
+@keys_app.command("new")
+def keys_new(
+    name: str,
+    role: Annotated[str, typer.Option("--role", help="approver or reviewer.")],
+    out_dir: Annotated[Path, typer.Option("--dir", help="Where to write NAME.key.")] = Path("."),
+    trust_roots: Annotated[Path | None, typer.Option("--trust-roots", help="Add the public key here.")] = None,
+) -> None:
+    """Make an Ed25519 key pair: NAME.key (0600, keep it) and its public half in the trust roots."""
+    from gitrun.evidence import new_keypair
+
+    path, root = new_keypair(role, name, out_dir, trust_roots)
+    typer.echo(f"{root.role} key {root.id} ({root.name}): private key {path} (mode 600)")
+    if trust_roots is not None:
+        typer.echo(f"public key added to {trust_roots}")
+
+
+@keys_app.command("rotate")
+def keys_rotate(workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None) -> None:
+    """Add a new active checkpoint signing key; older keys still verify old checkpoints."""
+    from gitrun.keys import load_keyring, rotate_keyring
+
+    ws = Workspace(workspace, key_file)
+    load_keyring(ws.key_file)
+    typer.echo(f"checkpoint key rotated: new active key {rotate_keyring(ws.key_file)} in {ws.key_file}")
+
+
+@app.command()
+def approve(
+    run_id: str,
+    key: Annotated[Path, typer.Option("--key", help="The approver's private key file.")],
+    ttl: Annotated[str, typer.Option("--ttl", help="How long the approval stays valid.")] = "1h",
+    note: Annotated[str, typer.Option("--note", help="A word for the audit trail.")] = "",
+    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None, trust_roots: TrustOpt = None,
+) -> None:
+    """Show the action waiting for approval and sign an approval bound to exactly it."""
+    opts = _options(workspace, key_file, trust_roots=trust_roots)
+    state, signed, diff = service.approve(run_id, opts, key, _seconds(ttl), note)
+    p = state.pending
+    if p is None:
+        raise GitrunError("nothing pending")
+    expires = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(signed.claims["expires_at"]))
+    typer.echo(f"run {run_id} generation {state.generation}: {p.action.summary()}")
+    typer.echo(f"risk: {p.risk}   key: {p.key}   intent: {p.intent_digest}")
+    typer.echo(diff.rstrip("\n"))
+    typer.echo(f"approved by {signed.signer}: evidence {signed.fingerprint()} valid until {expires}")
+    typer.echo(f"next: gitrun resume {run_id} --trust-roots TRUST_ROOTS.json")
+
+
+@review_app.command("show")
+def review_show(run_id: str, workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None) -> None:
+    """Print the open review case: both digests, the receipt, and the two diffs side by side."""
+    state, text = service.review_case(run_id, _options(workspace, key_file))
+    case = state.review
+    if case is None:
+        raise GitrunError("no review case")
+    r = case.receipt
+    typer.echo(f"run {run_id}: needs_review ({case.reason})")
+    typer.echo(f"key              {case.key}")
+    typer.echo(f"pending intent   {case.pending_digest}  ({case.action.summary()})")
+    typer.echo(f"receipt intent   {case.receipt_digest}")
+    typer.echo(f"receipt          {r.namespace} {r.version} commit {r.commit} tree {r.tree}")
+    typer.echo(f"receipt print    {case.receipt_fingerprint}")
+    typer.echo(f"environment      {case.environment_version}")
+    typer.echo(text.rstrip("\n"))
+    typer.echo(f"decide: gitrun review decide {run_id} --key REVIEWER.key replan|abort")
+
+
+@review_app.command("decide")
+def review_decide(
+    run_id: str,
+    decision: Annotated[str, typer.Argument(help="replan or abort.")],
+    key: Annotated[Path, typer.Option("--key", help="The reviewer's private key file.")],
+    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None,
+) -> None:
+    """Sign a replan or abort decision bound to exactly the open case."""
+    signed = service.review_decide(run_id, _options(workspace, key_file), key, decision)
+    typer.echo(f"decision {decision} signed by {signed.signer}: {signed.fingerprint()}")
+    typer.echo(f"next: gitrun resume {run_id} --trust-roots TRUST_ROOTS.json")
 
 
 def main(argv: list[str] | None = None) -> None:

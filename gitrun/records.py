@@ -182,6 +182,7 @@ class ReviewCase:
     receipt: Receipt
     receipt_fingerprint: str
     environment_version: str
+    reason: str
     opened_at: float
 
 

@@ -67,13 +67,13 @@ def reconcile(rt: Runtime) -> str:
         if receipt is None:
             raise EnvironmentDrift("foreign-commit", f"{tip.id} is not a gitrun write")
         if receipt.intent_digest != s.pending.intent_digest:
-            rt.open_review(receipt)
+            rt.open_review(receipt, "same idempotency key, different intent digest")
             return "conflict"
         env.repair_sync()
         obs = env.observe(full=True)
         if obs.dirty:
             raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes: {list(obs.dirty[:5])}")
-        rt.record(receipt, replayed=True)
+        rt.accept(receipt, replayed=True)
         return "write-reconciled"
     raise _classify_drift(env.repo, pygit2.Oid(hex=s.env.head), tip.id)
 

@@ -15,6 +15,7 @@ import pygit2
 
 from gitrun import faults
 from gitrun.agents import Finish, ScriptAgent
+from gitrun.approvals import Approvals
 from gitrun.checkpoint import CheckpointStore
 from gitrun.codec import encode
 from gitrun.environment import Approval, Environment
@@ -55,7 +56,7 @@ class Runtime:
     state: RunState
     checkpoint: pygit2.Oid | None
     say: Say
-    approvals: ApprovalHook | None = None
+    approvals: Approvals
 
     def __post_init__(self) -> None:
         self._segment_start = time.time()
@@ -101,17 +102,23 @@ class Runtime:
         if s.phase == AWAITING_APPROVAL and s.pending is not None:
             return (
                 f"run {s.run_id} waits for approval of {s.pending.action.summary()} "
-                f"(risk: {s.pending.risk}); approve with: gitrun approve {s.run_id} --key APPROVER.key"
+                f"(risk: {s.pending.risk}; {s.stop_reason}); approve with: "
+                f"gitrun approve {s.run_id} --key APPROVER.key, then: "
+                f"gitrun resume {s.run_id} --trust-roots TRUST_ROOTS.json"
             )
-        return (
-            f"run {s.run_id} needs review: key {s.pending.key if s.pending else '?'} already "
-            f"committed with another intent; see: gitrun review show {s.run_id}"
-        )
+        if s.phase == NEEDS_REVIEW and s.review is not None:
+            return (
+                f"run {s.run_id} needs review ({s.review.reason}) for key {s.review.key}; "
+                f"see: gitrun review show {s.run_id}"
+            )
+        return f"run {s.run_id} is {s.phase} ({s.stop_reason})"
 
     def step(self) -> None:
         """Observe, propose, gate, and persist the intent (or the rejection)."""
         faults.point("before_propose")
         s = self.state
+        if s.phase != RUNNING or s.pending is not None:
+            raise Frozen(f"run {s.run_id} is {s.phase}; no new proposal is accepted")
         obs = self.env.observe(full=False)
         decision = self.agent.propose(obs, s.cursor)
         if isinstance(decision, Finish):
@@ -159,17 +166,36 @@ class Runtime:
         p = s.pending
         if p is None:
             raise GitrunError("no pending action to execute")
+        if s.phase != RUNNING:
+            raise Frozen(self.frozen_message())
         approval: Approval | None = None
         if p.risk is not None:
-            if self.approvals is None:
-                raise Frozen(self.frozen_message())
+            found = self.env.lookup(p.key, since=p.precondition.head)
+            if found is not None:
+                self.accept(found, replayed=True)
+                return
             approval = self.approvals.binding(self, p)
         try:
-            outcome = self.env.execute(p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval)
+            outcome = self.env.execute(
+                p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval
+            )
         except ReceiptConflict as conflict:
-            self.open_review(conflict.receipt)
+            self.open_review(conflict.receipt, "same idempotency key, different intent digest")
             return
-        self.record(outcome.receipt, replayed=outcome.replayed)
+        self.accept(outcome.receipt, replayed=outcome.replayed)
+
+    def accept(self, receipt: Receipt, replayed: bool) -> None:
+        """Record a receipt, unless it cannot be reconciled without a human."""
+        p = self.state.pending
+        if p is not None and receipt.intent_digest != p.intent_digest:
+            self.open_review(receipt, "same idempotency key, different intent digest")
+            return
+        if p is not None and p.risk is not None:
+            problem = self.approvals.receipt_problem(p, receipt)
+            if problem is not None:
+                self.open_review(receipt, problem)
+                return
+        self.record(receipt, replayed)
 
     def record(self, receipt: Receipt, replayed: bool) -> None:
         """Record the receipt of the pending intent: the deterministic transition."""
@@ -197,7 +223,7 @@ class Runtime:
         how = "reconciled" if replayed else "committed"
         self.say(f"{how} {receipt.commit[:12]} for {receipt.key}")
 
-    def open_review(self, receipt: Receipt) -> None:
+    def open_review(self, receipt: Receipt, reason: str) -> None:
         s = self.state
         p = s.pending
         if p is None:
@@ -209,12 +235,13 @@ class Runtime:
             receipt_digest=receipt.intent_digest,
             receipt=receipt,
             receipt_fingerprint=receipt.fingerprint(),
-            environment_version=self.env.head().id.hex,
+            environment_version=str(self.env.head().id),
+            reason=reason,
             opened_at=time.time(),
         )
         event = Event("receipt_conflict", time.time(), {"case": encode(case)})
         self.commit(replace(s, phase=NEEDS_REVIEW, stop_reason="receipt_conflict", review=case).with_events(event))
-        self.say(f"receipt conflict on {p.key}: run frozen for review")
+        self.say(f"review needed for {p.key}: {reason}; run frozen")
 
     def verify(self) -> None:
         """Run the verifier on the HEAD after the last write and finish the run."""
@@ -243,13 +270,6 @@ class Runtime:
                                                "timed_out": result.timed_out})
         self.commit(replace(s, phase=phase, stop_reason=reason, verifier=event, env=env).with_events(trace))
         self.say(f"verifier: {result.summary}")
-
-
-class ApprovalHook:
-    """Turns a pending action's approval evidence into what the adapter enforces."""
-
-    def binding(self, runtime: Runtime, pending: Pending) -> Approval:
-        raise Frozen(runtime.frozen_message())
 
 
 def initial_state(

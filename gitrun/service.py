@@ -20,12 +20,17 @@ from gitrun.agents import ScriptAgent, load_agent
 from gitrun.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
 from gitrun.codec import encode
 from gitrun.environment import Environment, branch_ref
-from gitrun.errors import BadInput, CheckpointRejected, GitrunError, LeaseLost
+from gitrun.errors import BadInput, CheckpointRejected, Frozen, GitrunError, LeaseLost
 from gitrun.keys import load_keyring
 from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, read_lease
-from gitrun.records import TERMINAL, EnvState, RunState
+from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, EnvState, RunState
 from gitrun.recovery import reconcile
-from gitrun.runtime import ApprovalHook, Runtime, initial_state
+from gitrun.approvals import Approvals, approval_claims, review_claims, submit
+from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, load_trust_roots
+from gitrun.evidence import sign as sign_evidence
+from gitrun.evidence import verify as verify_evidence
+from gitrun.show import action_diff, commit_diff, side_by_side
+from gitrun.runtime import Runtime, initial_state
 from gitrun.task import Task, load_task
 from gitrun.workspace import RunRecord, Workspace, check_run_id, new_run_id, user_repo
 
@@ -41,7 +46,11 @@ class Options:
     lease_seconds: float = DEFAULT_DURATION
     takeover_after: float | None = None
     say: Callable[[str], None] = _quiet
-    approvals: ApprovalHook | None = None
+    trust_roots: Path | None = None
+
+    @property
+    def approvals(self) -> Approvals:
+        return Approvals(load_trust_roots(self.trust_roots) if self.trust_roots else None)
 
 
 @dataclass
@@ -76,7 +85,6 @@ def start(task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: 
     rid = check_run_id(run_id) if run_id else new_run_id(task.id)
     if (ws.root / "runs" / f"{rid}.json").exists():
         raise BadInput(f"run {rid} already exists; resume it with `gitrun resume {rid}`")
-    keyring = load_keyring(ws.key_file)
     if repo_path is not None:
         repo, base = user_repo(repo_path, task.initial.commit)
     elif task.initial.path is not None:
@@ -85,6 +93,7 @@ def start(task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: 
         repo, base = ws.sandbox_repo(task)
     if gitstore.read_ref(repo, branch_ref(rid)) is not None:
         raise BadInput(f"branch gitrun/{rid} already exists in {repo.workdir}; pick another --run-id")
+    load_keyring(ws.key_file)  # a bad key file fails before the run exists; bad input makes no key
     record = RunRecord(rid, str(Path(repo.path).parent if not repo.is_bare else repo.path),
                        task.task_dir, str(ws.worktree_path(rid)), branch_ref(rid), recorded_spec,
                        str(base), time.time())
@@ -114,7 +123,8 @@ def _setup_and_run(record: RunRecord, task: Task, repo: pygit2.Repository, agent
         ref = checkpoint_ref(record.run_id, task.id, obs.instance_id)
         oid = store.advance(ref, state, None, lease.fence)
         opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
-        rt = Runtime(task, env, store, ref, lease, agent, replace(state, events=()), oid, opts.say, opts.approvals)
+        rt = Runtime(task, env, store, ref, lease, agent, replace(state, events=()), oid, opts.say,
+                     opts.approvals)
         return _drive(rt)
     finally:
         _release(lease)
@@ -174,13 +184,22 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     state = stored.state
     if state.agent != agent.identity:
         raise CheckpointRejected("agent-changed", f"the agent's inputs changed since the checkpoint ({record.agent})")
+    approvals = opts.approvals
+    approvals.require_roots(state)
     if state.phase in TERMINAL:
         return state
     lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
     lease.acquire(state.generation, opts.takeover_after)
     try:
-        rt = Runtime(task, opened.env, opened.store, ref, lease, agent, state, stored.oid, opts.say, opts.approvals)
-        what = reconcile(rt)
+        rt = Runtime(task, opened.env, opened.store, ref, lease, agent, state, stored.oid, opts.say, approvals)
+        if state.phase == NEEDS_REVIEW:
+            if not approvals.intake_review(rt):
+                raise Frozen(rt.frozen_message())
+            what = f"review decision applied ({rt.state.phase})"
+        else:
+            what = reconcile(rt)
+            if rt.state.phase == AWAITING_APPROVAL and approvals.intake_approval(rt):
+                what += ", fresh approval taken in"
         opts.say(f"resume {record.run_id} at generation {state.generation}: {what}")
         return _drive(rt)
     finally:
@@ -252,3 +271,49 @@ def verify(run_id: str, opts: Options, task_dir: Path | None) -> Stored:
     opened = open_run(run_id, opts, task_dir)
     _, stored = load_verified(opened)
     return stored
+
+
+def approve(run_id: str, opts: Options, key_file: Path, ttl_seconds: float, note: str) -> tuple[RunState, Signed, str]:
+    """Sign an approval for the pending action and leave it for the runtime."""
+    opened = open_run(run_id, opts)
+    _, stored = load_verified(opened)
+    state = stored.state
+    if state.phase != AWAITING_APPROVAL or state.pending is None:
+        raise BadInput(f"run {run_id} is {state.phase}; there is nothing to approve")
+    claims = approval_claims(state, note, ttl_seconds)
+    signed = sign_evidence(claims, key_file, "approver", APPROVAL_DOMAIN)
+    if opts.trust_roots is not None:
+        verify_evidence(signed, load_trust_roots(opts.trust_roots), "approver", APPROVAL_DOMAIN)
+    submit(opened.repo, run_id, "approval", signed)
+    base = opened.repo.get(state.pending.precondition.head)
+    tree = base.tree if isinstance(base, pygit2.Commit) else opened.env.head().tree
+    return state, signed, action_diff(opened.repo, state.pending.action, tree)
+
+
+def review_case(run_id: str, opts: Options) -> tuple[RunState, str]:
+    """The open review case and its two diffs side by side."""
+    opened = open_run(run_id, opts)
+    _, stored = load_verified(opened)
+    state = stored.state
+    case = state.review
+    if case is None or state.pending is None:
+        raise BadInput(f"run {run_id} is {state.phase}; it has no open review case")
+    base = opened.repo.get(state.pending.precondition.head)
+    tree = base.tree if isinstance(base, pygit2.Commit) else opened.env.head().tree
+    left = action_diff(opened.repo, case.action, tree)
+    right = commit_diff(opened.repo, case.receipt.commit)
+    text = side_by_side(f"pending intent {case.pending_digest[:23]}", left,
+                        f"committed receipt {case.receipt.commit[:12]} {case.receipt_digest[:23]}", right)
+    return state, text
+
+
+def review_decide(run_id: str, opts: Options, key_file: Path, decision: str) -> Signed:
+    opened = open_run(run_id, opts)
+    _, stored = load_verified(opened)
+    if decision not in ("replan", "abort"):
+        raise BadInput(f"decision must be replan or abort, not {decision!r}")
+    if stored.state.review is None:
+        raise BadInput(f"run {run_id} is {stored.state.phase}; it has no open review case")
+    signed = sign_evidence(review_claims(stored.state, decision), key_file, "reviewer", REVIEW_DOMAIN)
+    submit(opened.repo, run_id, "review", signed)
+    return signed

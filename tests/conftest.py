@@ -14,7 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SANDBOXES = ROOT / "sandboxes"
-SANDBOX_NAMES = sorted(p.name for p in SANDBOXES.iterdir() if (p / "task.toml").is_file())
+_ALL = sorted(p.name for p in SANDBOXES.iterdir() if (p / "task.toml").is_file())
+# Sandboxes whose policy has risk rules stop for a human's approval; the rest run unattended.
+RISKY_SANDBOXES = [n for n in _ALL if "[[policy.risk]]" in (SANDBOXES / n / "task.toml").read_text()]
+SANDBOX_NAMES = [n for n in _ALL if n not in RISKY_SANDBOXES]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

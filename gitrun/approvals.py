@@ -1,0 +1,267 @@
+"""Approvals and reviews against the live run: what evidence must bind, and what the
+runtime does with it.
+
+Humans sign evidence with ``gitrun approve`` / ``gitrun review decide``; it waits in an
+inbox ref (``refs/gitrun/runs/<run>/inbox/<kind>``) until the lease holder takes it in,
+checks it against the trust roots and the checkpointed run, and records it with one
+checkpoint advance. Only the runtime writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import pygit2
+
+from gitrun import gitstore
+from gitrun.codec import DecodeError, canonical_bytes, decode, digest, encode
+from gitrun.environment import Approval
+from gitrun.errors import ApprovalRefused, CheckpointRejected, Frozen, GitrunError
+from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, TrustRoot, verify
+from gitrun.records import AWAITING_APPROVAL, FAILED, NEEDS_REVIEW, RUNNING, Event, Pending, Receipt, RunState
+
+if TYPE_CHECKING:
+    from gitrun.runtime import Runtime
+
+CLOCK_SKEW = 120.0
+
+
+def inbox_ref(run_id: str, kind: str) -> str:
+    return f"refs/gitrun/runs/{run_id}/inbox/{kind}"
+
+
+def submit(repo: pygit2.Repository, run_id: str, kind: str, evidence: Signed) -> None:
+    """Leave signed evidence for the runtime (replaces any earlier, unconsumed one)."""
+    ref = inbox_ref(run_id, kind)
+    oid = gitstore.write_blob(repo, canonical_bytes(encode(evidence)))
+    gitstore.update_ref(repo, ref, gitstore.read_ref(repo, ref), oid, message=f"gitrun {kind} evidence")
+
+
+def read_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> Signed | None:
+    oid = gitstore.read_ref(repo, inbox_ref(run_id, kind))
+    if oid is None:
+        return None
+    try:
+        return decode(Signed, json.loads(repo[oid].data))
+    except (KeyError, ValueError, DecodeError) as exc:
+        raise ApprovalRefused("malformed", f"{kind} evidence in the inbox is unreadable: {exc}") from exc
+
+
+def _clear_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> None:
+    ref = inbox_ref(run_id, kind)
+    current = gitstore.read_ref(repo, ref)
+    if current is not None:
+        gitstore.update_ref(repo, ref, current, None, message=f"gitrun {kind} evidence consumed")
+
+
+def state_fingerprint(pending: Pending) -> str:
+    """The environment state an approval is bound to: the precondition of the write."""
+    pre = pending.precondition
+    return digest([pre.instance_id, pre.head, pre.tree])
+
+
+def approval_claims(state: RunState, approver_note: str, ttl_seconds: float) -> dict[str, Any]:
+    """What ``gitrun approve`` signs for the checkpoint's pending action."""
+    p = state.pending
+    if p is None or state.phase != AWAITING_APPROVAL:
+        raise GitrunError(f"run {state.run_id} has no action waiting for approval (phase {state.phase})")
+    now = time.time()
+    return {
+        "kind": "approval", "task_id": state.task_id, "task_version": state.task_version,
+        "run_id": state.run_id, "policy_id": state.policy_id, "policy_version": state.policy_version,
+        "action": digest(encode(p.action)), "key": p.key, "intent_digest": p.intent_digest,
+        "instance_id": state.env.instance_id, "state_fingerprint": state_fingerprint(p),
+        "generation": state.generation, "issued_at": now, "expires_at": now + ttl_seconds,
+        "nonce": secrets.token_hex(16), "note": approver_note,
+    }
+
+
+def review_claims(state: RunState, decision: str) -> dict[str, Any]:
+    """What ``gitrun review decide`` signs for the open review case."""
+    case = state.review
+    if case is None or state.phase != NEEDS_REVIEW:
+        raise GitrunError(f"run {state.run_id} has no open review case (phase {state.phase})")
+    if decision not in ("replan", "abort"):
+        raise GitrunError(f"decision must be replan or abort, not {decision!r}")
+    return {
+        "kind": "review", "decision": decision, "task_id": state.task_id,
+        "task_version": state.task_version, "run_id": state.run_id, "policy_id": state.policy_id,
+        "policy_version": state.policy_version, "action": digest(encode(case.action)), "key": case.key,
+        "pending_digest": case.pending_digest, "receipt_digest": case.receipt_digest,
+        "receipt_fingerprint": case.receipt_fingerprint,
+        "environment_version": case.environment_version,
+        "nonce": secrets.token_hex(16), "issued_at": time.time(),
+    }
+
+
+def _mismatch(claims: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    return sorted(k for k, v in expected.items() if claims.get(k) != v)
+
+
+class Approvals:
+    """The runtime's view of approval and review evidence, given the trust roots."""
+
+    def __init__(self, roots: dict[str, TrustRoot] | None) -> None:
+        self.roots = roots
+
+    # -- on load -----------------------------------------------------------------------
+
+    def require_roots(self, state: RunState) -> None:
+        """Evidence in a checkpoint is trusted only against trust roots handed in now."""
+        holds = bool(state.used_nonces or state.review or state.sealed or
+                     (state.pending is not None and state.pending.approval is not None))
+        if holds and self.roots is None:
+            raise CheckpointRejected(
+                "trust-roots-missing",
+                "this checkpoint holds approval or review evidence; pass --trust-roots FILE "
+                "(or set GITRUN_TRUST_ROOTS) to resume it",
+            )
+        p = state.pending
+        if p is not None and p.approval is not None and self.roots is not None:
+            try:
+                verify(self._signed(p.approval), self.roots, "approver", APPROVAL_DOMAIN)
+            except ApprovalRefused as exc:
+                raise CheckpointRejected("untrusted-evidence", str(exc)) from exc
+
+    @staticmethod
+    def _signed(raw: Any) -> Signed:
+        try:
+            return decode(Signed, raw)
+        except DecodeError as exc:
+            raise ApprovalRefused("malformed", f"evidence is malformed: {exc}") from exc
+
+    def _roots(self) -> dict[str, TrustRoot]:
+        if self.roots is None:
+            raise ApprovalRefused("no-trust-roots", "no trust roots given (--trust-roots FILE)")
+        return self.roots
+
+    # -- approvals ---------------------------------------------------------------------
+
+    def check_approval(self, state: RunState, evidence: Signed) -> dict[str, Any]:
+        """Verify a fresh approval for the checkpoint's pending action, or refuse it."""
+        claims = verify(evidence, self._roots(), "approver", APPROVAL_DOMAIN)
+        p = state.pending
+        if p is None:
+            raise ApprovalRefused("nothing-pending", "no pending action to approve")
+        expected = {
+            "kind": "approval", "task_id": state.task_id, "task_version": state.task_version,
+            "run_id": state.run_id, "policy_id": state.policy_id, "policy_version": state.policy_version,
+            "action": digest(encode(p.action)), "key": p.key, "intent_digest": p.intent_digest,
+            "instance_id": state.env.instance_id, "state_fingerprint": state_fingerprint(p),
+            "generation": state.generation,
+        }
+        wrong = _mismatch(claims, expected)
+        if wrong:
+            raise ApprovalRefused("binding", f"the approval is bound to another {', '.join(wrong)}")
+        if claims.get("nonce") in state.used_nonces:
+            raise ApprovalRefused("nonce-reused", f"nonce {claims.get('nonce')} was already used")
+        expires = claims.get("expires_at")
+        if not isinstance(expires, int | float) or expires <= time.time():
+            raise ApprovalRefused("expired", "the approval has already expired; approve again")
+        return claims
+
+    def intake_approval(self, rt: Runtime) -> bool:
+        """refresh_pending_approval: take a fresh approval from the inbox into the checkpoint."""
+        s = rt.state
+        evidence = read_inbox(rt.env.repo, s.run_id, "approval")
+        if evidence is None or s.phase != AWAITING_APPROVAL or s.pending is None:
+            return False
+        claims = self.check_approval(s, evidence)
+        sealed = s.sealed
+        if s.pending.approval is not None:
+            sealed = (*sealed, {"kind": "approval_superseded", "evidence": s.pending.approval,
+                                "at": time.time()})
+        pending = replace(s.pending, approval=encode(evidence))
+        event = Event("approval", time.time(), {"fingerprint": evidence.fingerprint(),
+                                                "signer": evidence.signer, "expires_at": claims["expires_at"]})
+        rt.commit(replace(s, pending=pending, phase=RUNNING, stop_reason=None, sealed=sealed,
+                          used_nonces=(*s.used_nonces, str(claims["nonce"]))).with_events(event))
+        _clear_inbox(rt.env.repo, s.run_id, "approval")
+        rt.say(f"approval {evidence.fingerprint()[:19]} by {evidence.signer} accepted")
+        return True
+
+    def binding(self, rt: Runtime, pending: Pending) -> Approval:
+        """The approval the adapter must enforce, or freeze the run waiting for one."""
+        if pending.approval is None:
+            self.freeze(rt, "awaiting_approval")
+        evidence = self._signed(pending.approval)
+        claims = verify(evidence, self._roots(), "approver", APPROVAL_DOMAIN)
+        expires = float(claims["expires_at"])
+        if expires <= time.time():
+            self.freeze(rt, "approval_expired")
+        return Approval(evidence.fingerprint(), expires)
+
+    def freeze(self, rt: Runtime, reason: str) -> None:
+        s = rt.state
+        if s.phase == RUNNING:
+            event = Event("frozen", time.time(), {"reason": reason})
+            rt.commit(replace(s, phase=AWAITING_APPROVAL, stop_reason=reason).with_events(event))
+        raise Frozen(rt.frozen_message())
+
+    def receipt_problem(self, pending: Pending, receipt: Receipt) -> str | None:
+        """Why a receipt of a risky write cannot be reconciled automatically, if it can't."""
+        if pending.approval is None:
+            return "the write committed without approval evidence in the checkpoint"
+        evidence = self._signed(pending.approval)
+        claims = verify(evidence, self._roots(), "approver", APPROVAL_DOMAIN)
+        if receipt.approval != evidence.fingerprint():
+            return "the write carries another approval than the checkpoint's"
+        if receipt.committed_at > float(claims["expires_at"]):
+            return "the write committed after its approval expired"
+        return None
+
+    # -- reviews -----------------------------------------------------------------------
+
+    def intake_review(self, rt: Runtime) -> bool:
+        """Consume a signed review decision: replan or abort; anything off stays frozen."""
+        s = rt.state
+        case = s.review
+        evidence = read_inbox(rt.env.repo, s.run_id, "review")
+        if case is None or evidence is None or s.pending is None:
+            return False
+        claims = verify(evidence, self._roots(), "reviewer", REVIEW_DOMAIN)
+        expected = review_claims(s, str(claims.get("decision")))
+        wrong = _mismatch(claims, {k: v for k, v in expected.items() if k not in ("nonce", "issued_at")})
+        if wrong:
+            raise ApprovalRefused("binding", f"the decision is bound to another {', '.join(wrong)}")
+        if claims.get("nonce") in s.used_nonces:
+            raise ApprovalRefused("nonce-reused", f"nonce {claims.get('nonce')} was already used")
+        self._reread(rt, case.key, case.receipt_fingerprint, case.environment_version)
+        sealed_case = {"kind": "review", "case": encode(case), "decision": encode(evidence),
+                       "pending": encode(s.pending), "at": time.time()}
+        event = Event("review_decision", time.time(), {"decision": claims["decision"],
+                                                       "signer": evidence.signer})
+        nonces = (*s.used_nonces, str(claims["nonce"]))
+        if claims["decision"] == "abort":
+            nxt = replace(s, phase=FAILED, stop_reason="aborted_by_reviewer", pending=None, review=None,
+                          sealed=(*s.sealed, sealed_case), used_nonces=nonces)
+        else:
+            obs = rt.env.observe(full=True)
+            env = replace(s.env, head=obs.head, tree=obs.tree, observation_version=obs.head,
+                          status_digest=obs.status_digest)
+            nxt = replace(s, phase=RUNNING, stop_reason=None, pending=None, review=None, env=env,
+                          cursor=max(0, s.cursor - 1), quarantined_keys=(*s.quarantined_keys, case.key),
+                          sealed=(*s.sealed, sealed_case), used_nonces=nonces)
+        rt.commit(nxt.with_events(event))
+        _clear_inbox(rt.env.repo, s.run_id, "review")
+        rt.say(f"review decision {claims['decision']} by {evidence.signer} accepted")
+        return True
+
+    @staticmethod
+    def _reread(rt: Runtime, key: str, fingerprint: str, environment_version: str) -> None:
+        """The authoritative receipt and environment must be exactly what was reviewed."""
+        receipt = rt.env.lookup(key)
+        if receipt is None or receipt.fingerprint() != fingerprint:
+            raise ApprovalRefused("receipt-changed", f"the receipt for {key} changed after the decision was signed")
+        head = str(rt.env.head().id)
+        if head != environment_version:
+            raise ApprovalRefused(
+                "environment-changed", f"the branch moved to {head} after the decision was signed"
+            )
+        obs = rt.env.observe(full=True)
+        if obs.dirty:
+            raise ApprovalRefused("environment-changed", f"uncommitted changes: {list(obs.dirty[:5])}")
