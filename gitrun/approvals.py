@@ -20,7 +20,7 @@ import pygit2
 from gitrun import gitstore
 from gitrun.codec import DecodeError, canonical_bytes, decode, digest, encode
 from gitrun.environment import Approval
-from gitrun.errors import ApprovalRefused, CheckpointRejected, Frozen, GitrunError
+from gitrun.errors import ApprovalRefused, CheckpointRejected, Frozen, GitrunError, ReceiptDrift
 from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, TrustRoot, verify
 from gitrun.records import AWAITING_APPROVAL, FAILED, NEEDS_REVIEW, RUNNING, Event, Pending, Receipt, RunState
 
@@ -46,7 +46,10 @@ def read_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> Signed | None
     if oid is None:
         return None
     try:
-        return decode(Signed, json.loads(repo[oid].data))
+        blob = repo[oid]
+        if not isinstance(blob, pygit2.Blob):
+            raise ValueError("not a blob")
+        return decode(Signed, json.loads(blob.data))
     except (KeyError, ValueError, DecodeError) as exc:
         raise ApprovalRefused("malformed", f"{kind} evidence in the inbox is unreadable: {exc}") from exc
 
@@ -147,6 +150,8 @@ class Approvals:
         p = state.pending
         if p is None:
             raise ApprovalRefused("nothing-pending", "no pending action to approve")
+        if claims.get("nonce") in state.used_nonces:
+            raise ApprovalRefused("nonce-reused", f"nonce {claims.get('nonce')} was already used")
         expected = {
             "kind": "approval", "task_id": state.task_id, "task_version": state.task_version,
             "run_id": state.run_id, "policy_id": state.policy_id, "policy_version": state.policy_version,
@@ -157,8 +162,6 @@ class Approvals:
         wrong = _mismatch(claims, expected)
         if wrong:
             raise ApprovalRefused("binding", f"the approval is bound to another {', '.join(wrong)}")
-        if claims.get("nonce") in state.used_nonces:
-            raise ApprovalRefused("nonce-reused", f"nonce {claims.get('nonce')} was already used")
         expires = claims.get("expires_at")
         if not isinstance(expires, int | float) or expires <= time.time():
             raise ApprovalRefused("expired", "the approval has already expired; approve again")
@@ -224,12 +227,12 @@ class Approvals:
         if case is None or evidence is None or s.pending is None:
             return False
         claims = verify(evidence, self._roots(), "reviewer", REVIEW_DOMAIN)
+        if claims.get("nonce") in s.used_nonces:
+            raise ApprovalRefused("nonce-reused", f"nonce {claims.get('nonce')} was already used")
         expected = review_claims(s, str(claims.get("decision")))
         wrong = _mismatch(claims, {k: v for k, v in expected.items() if k not in ("nonce", "issued_at")})
         if wrong:
             raise ApprovalRefused("binding", f"the decision is bound to another {', '.join(wrong)}")
-        if claims.get("nonce") in s.used_nonces:
-            raise ApprovalRefused("nonce-reused", f"nonce {claims.get('nonce')} was already used")
         self._reread(rt, case.key, case.receipt_fingerprint, case.environment_version)
         sealed_case = {"kind": "review", "case": encode(case), "decision": encode(evidence),
                        "pending": encode(s.pending), "at": time.time()}
@@ -254,7 +257,10 @@ class Approvals:
     @staticmethod
     def _reread(rt: Runtime, key: str, fingerprint: str, environment_version: str) -> None:
         """The authoritative receipt and environment must be exactly what was reviewed."""
-        receipt = rt.env.lookup(key)
+        try:
+            receipt = rt.env.lookup(key)
+        except ReceiptDrift as exc:
+            raise ApprovalRefused("receipt-changed", f"the receipt of {key} moved: {exc}") from exc
         if receipt is None or receipt.fingerprint() != fingerprint:
             raise ApprovalRefused("receipt-changed", f"the receipt for {key} changed after the decision was signed")
         head = str(rt.env.head().id)

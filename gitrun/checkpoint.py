@@ -25,6 +25,7 @@ from gitrun.validate import validate_state
 
 SIGNATURE_DOMAIN = b"gitrun-checkpoint/1\n"
 SIGNER = pygit2.Signature("gitrun", "gitrun@localhost", 0, 0)
+EMPTY_TREE = pygit2.Oid(hex="4b825dc642cb6eb9a060e54bf8d69288fbee4904")  # git's empty tree
 
 
 def checkpoint_ref(run_id: str, task_id: str, instance_id: str) -> str:
@@ -154,6 +155,15 @@ class CheckpointStore:
                 "bad-signature", f"checkpoint {oid} does not verify with key {key_id}"
             )
         state = _decode_state(payload, oid)
+        if canonical_bytes(encode(state)) != payload:
+            raise CheckpointRejected("corrupt", f"checkpoint {oid} payload is not in canonical form")
+        # The HMAC covers the payload; the subject and trailers around it (what `git log`
+        # shows) must be exactly what that payload produces, and the tree the empty tree.
+        mac = signature.removeprefix("hmac-sha256:")
+        if raw != _message(state, payload, key_id, mac) or commit.tree_id != EMPTY_TREE:
+            raise CheckpointRejected(
+                "corrupt", f"checkpoint {oid}: subject, trailers or tree are not what it signed"
+            )
         _check_chain(state, trailers, commit, ref)
         del subject
         return Stored(state, oid, key_id, int(commit.commit_time))

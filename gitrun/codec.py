@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -79,9 +80,12 @@ def _decode_dataclass(cls: type, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
-def _decode(tp: Any, data: Any, path: str) -> Any:  # noqa: PLR0911, C901 - one branch per type form
+def _decode(tp: Any, data: Any, path: str) -> Any:  # noqa: PLR0911, PLR0912 - one branch per type form
     if tp is Any:
-        canonical_bytes(data)  # must at least be JSON
+        try:
+            canonical_bytes(data)  # must at least be JSON (no NaN/Infinity, no foreign types)
+        except (TypeError, ValueError) as exc:
+            raise DecodeError(path, f"not a JSON value: {exc}") from exc
         return data
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _decode_dataclass(tp, data, path)
@@ -105,7 +109,7 @@ def _decode(tp: Any, data: Any, path: str) -> Any:  # noqa: PLR0911, C901 - one 
             raise DecodeError(path, "expected a list")
         return tuple(_decode(args[0], v, f"{path}[{i}]") for i, v in enumerate(data))
     if origin is dict:
-        key_tp, val_tp = get_args(tp)
+        _, val_tp = get_args(tp)
         if not isinstance(data, dict):
             raise DecodeError(path, "expected an object")
         return {k: _decode(val_tp, v, f"{path}.{k}") for k, v in data.items()}
@@ -120,7 +124,13 @@ def _decode(tp: Any, data: Any, path: str) -> Any:  # noqa: PLR0911, C901 - one 
     if tp is float:
         if isinstance(data, bool) or not isinstance(data, int | float):
             raise DecodeError(path, "expected a number")
-        return float(data)
+        try:
+            number = float(data)
+        except OverflowError as exc:
+            raise DecodeError(path, "number out of range") from exc
+        if not math.isfinite(number):
+            raise DecodeError(path, "expected a finite number")
+        return number
     if tp is str:
         if not isinstance(data, str):
             raise DecodeError(path, "expected a string")

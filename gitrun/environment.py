@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pygit2
+from pygit2.enums import FileMode
 
 from gitrun import faults, gitstore, trees
 from gitrun.codec import digest
@@ -185,8 +186,7 @@ class Environment:
         if len(commit.parents) != 1:
             raise ReceiptDrift("not-a-write", f"commit {commit.id} has {len(commit.parents)} parents")
         parent = commit.parents[0]
-        diff = parent.tree.diff_to_tree(commit.tree)
-        paths = sorted({d.delta.new_file.path for d in diff} | {d.delta.old_file.path for d in diff})
+        paths = sorted(trees.changed_paths(parent.tree, commit.tree))
         try:
             lease = int(trailers.get("Gitrun-Lease", "0"))
         except ValueError as exc:
@@ -208,11 +208,14 @@ class Environment:
             paths=tuple(paths),
         )
 
-    def lookup(self, key: str, since: str | None = None) -> Receipt | None:
+    def lookup(
+        self, key: str, since: str | None = None, *, repair: bool = True
+    ) -> Receipt | None:
         """Find the receipt for ``key``: the index ref, then the history (the authority).
 
         ``since`` bounds the history walk (the precondition HEAD of the pending intent);
-        without it the walk goes back to the run's base. A rebuilt index ref is written.
+        without it the walk goes back to the run's base. A rebuilt index ref is written
+        unless ``repair`` is False (a read-only check).
         """
         tip = self.head()
         indexed = gitstore.read_ref(self.repo, index_ref(self.run_id, key))
@@ -221,7 +224,8 @@ class Environment:
         for commit in self._walk(tip, since):
             receipt = self.receipt_of(commit)
             if receipt is not None and receipt.key == key:
-                self._write_index(key, commit.id)
+                if repair:
+                    self._write_index(key, commit.id)
                 return receipt
         return None
 
@@ -315,6 +319,8 @@ class Environment:
         self._write_index(key, oid)
         faults.point("after_receipt_index")
         commit = self.repo[oid]
+        if not isinstance(commit, pygit2.Commit):
+            raise GitrunError(f"{oid} is not a commit")
         self.sync_files(head.tree, commit.tree, changes)
         faults.point("after_file_sync")
         receipt = self.receipt_of(commit)
@@ -436,7 +442,7 @@ class Environment:
                 mode = trees.entry_mode(new, path)
                 os.chmod(tmp, 0o755 if mode == trees.EXEC else 0o644)
                 os.replace(tmp, target)
-                index.add(pygit2.IndexEntry(path, obj.id, mode or trees.BLOB))
+                index.add(pygit2.IndexEntry(path, obj.id, FileMode(mode or trees.BLOB)))
             else:
                 target.unlink(missing_ok=True)
                 _prune_empty_dirs(target.parent, self.worktree)
@@ -447,11 +453,12 @@ class Environment:
         index.write()
         del old
 
-    def repair_sync(self) -> bool:
+    def repair_sync(self, *, check_only: bool = False) -> bool:
         """Finish a file sync a crash interrupted (window 3). True when something was fixed.
 
         Only the paths of the HEAD write commit may differ, and each file must hold
-        either its old or its new content; anything else is drift and refused.
+        either its old or its new content; anything else is drift and refused. With
+        ``check_only`` it refuses the same way but touches nothing.
         """
         head = self.head()
         status = self.wt.status(untracked_files="all", ignored=False)
@@ -460,8 +467,7 @@ class Environment:
         if self.receipt_of_trailers_only(head) is None or len(head.parents) != 1:
             raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes: {sorted(status)[:5]}")
         parent = head.parents[0]
-        changed = {d.delta.new_file.path for d in parent.tree.diff_to_tree(head.tree)}
-        changed |= {d.delta.old_file.path for d in parent.tree.diff_to_tree(head.tree)}
+        changed = trees.changed_paths(parent.tree, head.tree)
         for path in status:
             allowed = path in changed or any(path.startswith(c + "/") for c in changed)
             on_disk = self.worktree / path
@@ -474,6 +480,8 @@ class Environment:
                 raise EnvironmentDrift(
                     "uncommitted-edits", f"{path} differs from both HEAD and its parent"
                 )
+        if check_only:
+            return True
         changes: dict[str, trees.Change] = {}
         for path in changed:
             obj = trees.entry(head.tree, path)

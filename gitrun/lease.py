@@ -9,12 +9,14 @@ caller's (:func:`fence_guard`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
 import socket
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import filelock
 import pygit2
@@ -35,6 +37,7 @@ class Lease:
     expires_at: float
     state_version: int  # checkpoint generation when the lease was last written
     acquired_at: float
+    renewed_at: float  # last acquire or renewal: how stale the lease is, whatever its duration
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,38 @@ def read_lease(repo: pygit2.Repository, run_id: str) -> tuple[Lease | None, pygi
 def _decode(repo: pygit2.Repository, oid: pygit2.Oid) -> Lease:
     try:
         blob = repo[oid]
+        if not isinstance(blob, pygit2.Blob):
+            raise ValueError("not a blob")
         return decode(Lease, json.loads(blob.data))
     except (KeyError, ValueError, DecodeError) as exc:
         raise GitrunError(f"lease object {oid} is unreadable: {exc}") from exc
+
+
+def _until(expires_at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(expires_at))
+
+
+def _owner_lock_path(repo: pygit2.Repository, run_id: str, worker: str) -> Path:
+    name = hashlib.sha256(worker.encode()).hexdigest()[:32]
+    return gitstore.common_dir(repo) / "gitrun" / "owners" / run_id / f"{name}.flock"
+
+
+def owner_alive(repo: pygit2.Repository, run_id: str, worker: str) -> bool:
+    """Whether a live process on this machine holds ``worker``'s owner lock on the run.
+
+    Each worker holds its own lock while it owns the run and the kernel drops it when the
+    worker dies, so a lock we can take proves that worker is gone. The short wait lets a
+    concurrent probe of the same lock finish rather than pass for a live owner.
+    """
+    path = _owner_lock_path(repo, run_id, worker)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(path), timeout=0.2)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        return True
+    lock.release()
+    return False
 
 
 def fence_guard(repo: pygit2.Repository, run_id: str, fence: Fence) -> gitstore.Guard:
@@ -105,16 +137,16 @@ class LeaseManager:
         self._owner_lock: filelock.BaseFileLock | None = None
 
     def _claim_owner_lock(self) -> bool:
-        """Take this run's OS-level owner lock without waiting.
+        """Take this worker's OS-level owner lock on the run without waiting.
 
-        Every owner holds it while it works and the kernel drops it when the owner dies,
-        so getting it proves the previous owner on this machine is gone (a SIGKILLed
-        worker's lease can be taken at once); not getting it says nothing more than the
-        lease does, and expiry decides.
+        The lock is per worker, so it speaks for the worker the lease names and no one
+        else: a lease taken over by expiry (its old owner stopped, not dead) is still
+        protected by its new owner's lock once the old owner dies. False means another
+        live process works under the same worker id.
         """
         if self._owner_lock is not None:
             return True
-        path = gitstore.common_dir(self.repo) / "gitrun" / "owners" / f"{self.run_id}.flock"
+        path = _owner_lock_path(self.repo, self.run_id, self.worker)
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = filelock.FileLock(str(path), timeout=0)
         try:
@@ -143,29 +175,16 @@ class LeaseManager:
         self.lease, self._oid = lease, oid
 
     def acquire(self, state_version: int, takeover_after: float | None = None) -> Lease:
-        """Take the lease if free, expired, ours, or older than ``takeover_after`` seconds."""
-        owner_gone = self._claim_owner_lock()
-        current, oid = read_lease(self.repo, self.run_id)
+        """Take the lease if free, ours, expired, not renewed for ``takeover_after``
+        seconds, or held by a worker that is dead (its owner lock is free)."""
+        current, oid = self.check_takeable(takeover_after)
         now = time.time()
-        if current is not None and current.owner_worker != self.worker:
-            stale_for = now - (current.expires_at - self.duration)
-            taking_over = (
-                owner_gone
-                or current.expires_at <= now
-                or (takeover_after is not None and stale_for >= takeover_after)
-            )
-            if not taking_over:
-                raise LeaseHeld(
-                    current.owner_worker,
-                    current.expires_at,
-                    f"another worker owns run {self.run_id}: {current.owner_worker} until "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(current.expires_at))} "
-                    f"({current.expires_at - now:.0f}s left); retry later or pass --takeover-after",
-                )
         version = 1 if current is None else current.lease_version + (
             0 if current.owner_worker == self.worker else 1
         )
-        lease = Lease(1, self.run_id, self.worker, version, now + self.duration, state_version, now)
+        lease = Lease(
+            1, self.run_id, self.worker, version, now + self.duration, state_version, now, now
+        )
         try:
             self._write(lease, oid, "acquire")
         except CasFailed as exc:
@@ -174,9 +193,42 @@ class LeaseManager:
             expires = winner.expires_at if winner else 0.0
             self._drop_owner_lock()
             raise LeaseHeld(
-                owner, expires, f"another worker took run {self.run_id} first: {owner}"
+                owner, expires,
+                f"another worker took run {self.run_id} first: {owner} until {_until(expires)}",
             ) from exc
         return lease
+
+    def check_takeable(
+        self, takeover_after: float | None = None
+    ) -> tuple[Lease | None, pygit2.Oid | None]:
+        """Raise :class:`LeaseHeld` unless :meth:`acquire` may take the lease now.
+
+        Writes nothing (it only takes this worker's OS owner lock), so a resume can
+        check ownership, then the environment, and refuse without changing the repo.
+        """
+        if not self._claim_owner_lock():
+            raise LeaseHeld(
+                self.worker, 0.0, f"worker id {self.worker} is already at work on run "
+                f"{self.run_id} in another live process; pick another --worker-id",
+            )
+        current, oid = read_lease(self.repo, self.run_id)
+        now = time.time()
+        if current is not None and current.owner_worker != self.worker:
+            taking_over = (
+                current.expires_at <= now
+                or (takeover_after is not None and now - current.renewed_at >= takeover_after)
+                or not owner_alive(self.repo, self.run_id, current.owner_worker)
+            )
+            if not taking_over:
+                self._drop_owner_lock()
+                raise LeaseHeld(
+                    current.owner_worker,
+                    current.expires_at,
+                    f"another worker owns run {self.run_id}: {current.owner_worker} until "
+                    f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left); "
+                    "retry later or pass --takeover-after",
+                )
+        return current, oid
 
     def renew(self, state_version: int | None = None) -> Lease:
         """Extend our lease by compare-and-swap; LeaseLost if it is no longer ours."""
@@ -188,9 +240,11 @@ class LeaseManager:
             raise LeaseLost(owner, f"lease lost on run {self.run_id}: now held by {owner}")
         if current.expires_at <= time.time():
             raise LeaseLost(None, f"lease on run {self.run_id} expired before renewal")
+        now = time.time()
         lease = replace(
             current,
-            expires_at=time.time() + self.duration,
+            expires_at=now + self.duration,
+            renewed_at=now,
             state_version=current.state_version if state_version is None else state_version,
         )
         try:

@@ -24,12 +24,12 @@ from gitrun.records import RunState
 from gitrun.runtime import Runtime
 
 
-def check_cached_receipt(rt: Runtime) -> None:
+def check_cached_receipt(rt: Runtime, *, repair: bool = True) -> None:
     """The checkpoint's last receipt must equal, field by field, the commit it names."""
     last = rt.state.receipts.last
     if last is None:
         return
-    found = rt.env.lookup(last.key)
+    found = rt.env.lookup(last.key, repair=repair)
     if found is None:
         raise ReceiptDrift(
             "receipt-missing",
@@ -45,8 +45,13 @@ def check_cached_receipt(rt: Runtime) -> None:
         )
 
 
-def reconcile(rt: Runtime) -> str:
-    """Bring the runtime and the environment into agreement; return what was done."""
+def reconcile(rt: Runtime, *, apply: bool = True) -> str:
+    """Bring the runtime and the environment into agreement; return what was done.
+
+    With ``apply=False`` it only makes every check (and raises every refusal) without
+    writing anything: resume runs it before it takes the lease, so a refusal changes
+    nothing, not even the lease.
+    """
     s = rt.state
     env = rt.env
     if not env.worktree.exists():
@@ -57,18 +62,35 @@ def reconcile(rt: Runtime) -> str:
             "other-instance",
             f"worktree instance {instance} is not the checkpoint's {s.env.instance_id}",
         )
-    check_cached_receipt(rt)
     tip = env.head()
+    checkpointed = pygit2.Oid(hex=s.env.head)
+    if tip.id != checkpointed and not env.repo.descendant_of(tip.id, checkpointed):
+        # Moved backwards or sideways: name that, not the receipts it made unreachable.
+        raise _classify_drift(env.repo, checkpointed, tip.id)
+    check_cached_receipt(rt, repair=apply)
     if str(tip.id) == s.env.head:
         _require_exact(rt, s)
         return "exact" if s.pending is None else "intent-without-write"
     if s.pending is not None and _is_pending_write(rt, tip):
-        receipt = env.receipt_of(tip)
+        # Through the receipt index, not the tip alone: an index naming another commit
+        # (the real receipt, lost to a history rewrite) is drift, and a missing index
+        # (killed while writing it) is rebuilt, clearing its stale lock.
+        receipt = env.lookup(s.pending.key, since=s.env.head, repair=apply)
         if receipt is None:
             raise EnvironmentDrift("foreign-commit", f"{tip.id} is not a gitrun write")
+        if receipt.commit != str(tip.id):
+            raise ReceiptDrift(
+                "index-mismatch",
+                f"the receipt index for {s.pending.key} names {receipt.commit}, "
+                f"not the branch tip {tip.id}",
+            )
         if receipt.intent_digest != s.pending.intent_digest:
-            rt.open_review(receipt, "same idempotency key, different intent digest")
+            if apply:
+                rt.open_review(receipt, "same idempotency key, different intent digest")
             return "conflict"
+        if not apply:
+            env.repair_sync(check_only=True)
+            return "write-reconciled"
         env.repair_sync()
         obs = env.observe(full=True)
         if obs.dirty:
@@ -98,11 +120,13 @@ def _is_pending_write(rt: Runtime, tip: pygit2.Commit) -> bool:
     receipt = rt.env.receipt_of(tip)
     if receipt is None or receipt.key != p.key:
         return False
+    if receipt.intent_digest != p.intent_digest:
+        return True  # same key, another intent: a receipt conflict for review, not drift
     if receipt.instance_id != p.precondition.instance_id or receipt.action != p.action.kind:
         raise EnvironmentDrift("foreign-commit", f"{tip.id} carries the key but not the intent's trailers")
     parent_tree = tip.parents[0].tree
     expected = trees.tree_with_changes(rt.env.repo, parent_tree, rt.env.plan_changes(p.action, parent_tree))
-    if receipt.intent_digest == p.intent_digest and expected != tip.tree_id:
+    if expected != tip.tree_id:
         raise EnvironmentDrift(
             "foreign-commit", f"{tip.id} carries the intent but not the tree it deterministically makes"
         )

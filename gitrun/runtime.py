@@ -257,6 +257,8 @@ class Runtime:
             self.env.worktree,
             heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
             progress=self.say,
+            # several heartbeats per lease, so even a 1 s lease is renewed before it expires
+            heartbeat_interval=min(1.0, self.lease.duration / 4),
         )
         faults.point("after_verify")
         after = self.env.observe(full=True)

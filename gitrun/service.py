@@ -102,13 +102,16 @@ def start(task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: 
 
 
 def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
-    return CheckpointStore(repo, load_keyring(ws.key_file))
+    """The checkpoint store of an existing run: its keyring must exist (never made here)."""
+    return CheckpointStore(repo, load_keyring(ws.key_file, create=False))
 
 
 def _setup_and_run(record: RunRecord, task: Task, repo: pygit2.Repository, agent: ScriptAgent,
-                   store: CheckpointStore, opts: Options) -> RunState:
-    lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
-    lease.acquire(0, opts.takeover_after)
+                   store: CheckpointStore, opts: Options, *,
+                   lease: LeaseManager | None = None) -> RunState:
+    if lease is None:
+        lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
+        lease.acquire(0, opts.takeover_after)
     try:
         env = Environment.create(repo, record.run_id, pygit2.Oid(hex=record.base_commit),
                                  Path(record.worktree), f"{task.id}@{task.version}")
@@ -178,8 +181,17 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     record, task, repo = opened.record, opened.task, opened.repo
     agent, _ = load_agent(record.agent, task)
     if _the_ref(opened) is None and _never_started(opened):
-        _discard_setup(opened)
-        return _setup_and_run(record, task, repo, agent, opened.store, opts)
+        # The setup may be a live worker's, still under way: own the run before undoing it.
+        lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
+        lease.acquire(0, opts.takeover_after)
+        if _the_ref(opened) is None and _never_started(opened):
+            try:
+                _discard_setup(opened)
+            except BaseException:
+                _release(lease)
+                raise
+            return _setup_and_run(record, task, repo, agent, opened.store, opts, lease=lease)
+        _release(lease)  # its owner reached the first checkpoint after all: resume that
     ref, stored = load_verified(opened)
     state = stored.state
     if state.agent != agent.identity:
@@ -187,11 +199,31 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     approvals = opts.approvals
     approvals.require_roots(state)
     if state.phase in TERMINAL:
+        _clear_stale_locks(opened)  # e.g. the lease's, if the finished run died releasing it
         return state
     lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
+    try:
+        # Ownership, then every refusal, before anything is written: a refused resume
+        # changes nothing, not even the lease (reconcile runs again under the lease).
+        lease.check_takeable(opts.takeover_after)
+        if state.phase != NEEDS_REVIEW:
+            reconcile(Runtime(task, opened.env, opened.store, ref, lease, agent, state, stored.oid,
+                              opts.say, approvals), apply=False)
+    except GitrunError:
+        _release(lease)
+        raise
     lease.acquire(state.generation, opts.takeover_after)
     try:
-        rt = Runtime(task, opened.env, opened.store, ref, lease, agent, state, stored.oid, opts.say, approvals)
+        # The previous owner may have advanced (or finished) the run between our first
+        # read and our lease: continue only from the checkpoint read under the lease.
+        ref, stored = load_verified(opened)
+        state = stored.state
+        approvals.require_roots(state)
+        if state.phase in TERMINAL:
+            return state
+        # The loaded checkpoint's events are already in the chain: do not carry them on.
+        rt = Runtime(task, opened.env, opened.store, ref, lease, agent, replace(state, events=()),
+                     stored.oid, opts.say, approvals)
         if state.phase == NEEDS_REVIEW:
             if not approvals.intake_review(rt):
                 raise Frozen(rt.frozen_message())
@@ -218,10 +250,29 @@ def _discard_setup(opened: Opened) -> None:
     wt_name = f"gitrun-{rec.run_id}"
     if wt_name in opened.repo.list_worktrees():
         opened.repo.lookup_worktree(wt_name).prune(True)
+    # add_worktree killed half-way leaves an admin dir libgit2 neither lists nor prunes,
+    # and then refuses to add the worktree again: it holds nothing of value yet.
+    shutil.rmtree(gitstore.common_dir(opened.repo) / "worktrees" / wt_name, ignore_errors=True)
     shutil.rmtree(rec.worktree, ignore_errors=True)
     tip = gitstore.read_ref(opened.repo, rec.branch)
     if tip is not None:
         gitstore.update_ref(opened.repo, rec.branch, tip, None, message="gitrun: discard unstarted run")
+    # A first checkpoint killed inside its ref transaction left <ref>.lock on a ref named
+    # after the discarded instance, which no later write locks.
+    _clear_stale_locks(opened)
+
+
+def _clear_stale_locks(opened: Opened) -> None:
+    """Remove the ``<ref>.lock`` files a killed gitrun writer left on this run's refs.
+
+    Only refs no later step of the run will lock need this (a discarded instance's
+    checkpoint ref; the lease of a finished run): every ref write clears its own.
+    """
+    cdir = gitstore.common_dir(opened.repo)
+    folder = cdir / "refs" / "gitrun" / "runs" / opened.record.run_id
+    for lock in sorted(folder.rglob("*.lock")) if folder.is_dir() else []:
+        with gitstore.os_locks(opened.repo, [str(lock.relative_to(cdir))[: -len(".lock")]]):
+            pass  # holding the ref's OS lock removes its stale lock file
 
 
 def status(run_id: str, opts: Options) -> dict[str, Any]:

@@ -82,13 +82,23 @@ def tree_with_changes(
             obj = repo[existing.id]
             sub_base = obj if isinstance(obj, pygit2.Tree) else None
         sub_oid = tree_with_changes(repo, sub_base, sub_changes)
-        if len(repo[sub_oid]) == 0:
+        sub_tree = repo[sub_oid]
+        if isinstance(sub_tree, pygit2.Tree) and len(sub_tree) == 0:
             if existing is not None:
                 builder.remove(name)
         else:
             builder.insert(name, sub_oid, TREE)
     oid: pygit2.Oid = builder.write()
     return oid
+
+
+def changed_paths(old: pygit2.Tree, new: pygit2.Tree) -> set[str]:
+    """Every path a diff from ``old`` to ``new`` adds, removes or modifies."""
+    paths: set[str] = set()
+    for delta in old.diff_to_tree(new).deltas:
+        paths.add(delta.new_file.path)
+        paths.add(delta.old_file.path)
+    return paths
 
 
 def tree_from_dir(repo: pygit2.Repository, root: Path) -> pygit2.Oid:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,15 +110,31 @@ class Workspace:
 
         with filelock.FileLock(str(with_lock) + ".flock", timeout=60):
             if not (path / ".git").exists():
+                # Made aside and renamed in place: a process killed half-way through
+                # leaves only the scratch dir (redone next time), never a broken repo
+                # or a HEAD.lock from an interrupted checkout.
                 gitstore.configure_git()
-                pygit2.init_repository(str(path), bare=False, initial_head="main")
+                scratch = path.parent / f".{task.id}.init"
+                shutil.rmtree(scratch, ignore_errors=True)
+                pygit2.init_repository(str(scratch), bare=False, initial_head="main")
+                _sandbox_base(gitstore.open_repo(scratch), task)
+                os.replace(scratch, path)
+                gitstore.fsync_dir(path.parent)
             repo = gitstore.open_repo(path)
-            tree = trees.tree_from_dir(repo, Path(task.initial.repo_dir))
-            base = trees.deterministic_commit(repo, tree, task.initial.message, [])
-            if gitstore.read_ref(repo, "refs/heads/main") is None:
-                gitstore.update_ref(repo, "refs/heads/main", None, base, message="gitrun: sandbox base")
-                repo.checkout("refs/heads/main")
+            base = _sandbox_base(repo, task)
         return repo, base
+
+
+def _sandbox_base(repo: pygit2.Repository, task: Task) -> pygit2.Oid:
+    """The deterministic base commit of a sandbox, on ``main`` (checked out if new)."""
+    if task.initial.repo_dir is None:
+        raise BadInput(f"task {task.id} ships no repo; pass --repo PATH")
+    tree = trees.tree_from_dir(repo, Path(task.initial.repo_dir))
+    base = trees.deterministic_commit(repo, tree, task.initial.message, [])
+    if gitstore.read_ref(repo, "refs/heads/main") is None:
+        gitstore.update_ref(repo, "refs/heads/main", None, base, message="gitrun: sandbox base")
+        repo.checkout("refs/heads/main")
+    return base
 
 
 def user_repo(path: Path, commit: str | None) -> tuple[pygit2.Repository, pygit2.Oid]:
@@ -134,12 +151,14 @@ def user_repo(path: Path, commit: str | None) -> tuple[pygit2.Repository, pygit2
         raise BadInput(f"--repo {path}: the repository has no commits yet; commit a base first")
     dirty = {p for p, f in repo.status(untracked_files="no").items() if f != pygit2.enums.FileStatus.CURRENT}
     if dirty:
+        more = f" and {len(dirty) - 1} more" if len(dirty) > 1 else ""
         raise BadInput(
-            f"--repo {path}: uncommitted changes in {sorted(dirty)[0]} (and {len(dirty) - 1} more); "
+            f"--repo {path}: uncommitted changes in {sorted(dirty)[0]}{more}; "
             "commit or stash them first"
         )
     if commit is None:
-        return repo, repo.head.target
+        head = repo.head.peel(pygit2.Commit)
+        return repo, head.id
     try:
         obj = repo.revparse_single(commit)
     except (KeyError, ValueError) as exc:

@@ -48,7 +48,6 @@ def hermetic_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GIT_AUTHOR_EMAIL", "test@example.invalid")
     monkeypatch.setenv("GIT_COMMITTER_NAME", "Test")
     monkeypatch.setenv("GIT_COMMITTER_EMAIL", "test@example.invalid")
-    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
 
 
 @dataclass
