@@ -22,7 +22,16 @@ from gitrun.codec import DecodeError, canonical_bytes, decode, digest, encode
 from gitrun.environment import Approval
 from gitrun.errors import ApprovalRefused, CheckpointRejected, Frozen, GitrunError, ReceiptDrift
 from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, TrustRoot, verify
-from gitrun.records import AWAITING_APPROVAL, FAILED, NEEDS_REVIEW, RUNNING, Event, Pending, Receipt, RunState
+from gitrun.records import (
+    AWAITING_APPROVAL,
+    FAILED,
+    NEEDS_REVIEW,
+    RUNNING,
+    Event,
+    Pending,
+    Receipt,
+    RunState,
+)
 
 if TYPE_CHECKING:
     from gitrun.runtime import Runtime
@@ -38,7 +47,9 @@ def submit(repo: pygit2.Repository, run_id: str, kind: str, evidence: Signed) ->
     """Leave signed evidence for the runtime (replaces any earlier, unconsumed one)."""
     ref = inbox_ref(run_id, kind)
     oid = gitstore.write_blob(repo, canonical_bytes(encode(evidence)))
-    gitstore.update_ref(repo, ref, gitstore.read_ref(repo, ref), oid, message=f"gitrun {kind} evidence")
+    gitstore.update_ref(
+        repo, ref, gitstore.read_ref(repo, ref), oid, message=f"gitrun {kind} evidence"
+    )
 
 
 def read_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> Signed | None:
@@ -46,12 +57,11 @@ def read_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> Signed | None
     if oid is None:
         return None
     try:
-        blob = repo[oid]
-        if not isinstance(blob, pygit2.Blob):
-            raise ValueError("not a blob")
-        return decode(Signed, json.loads(blob.data))
-    except (KeyError, ValueError, DecodeError) as exc:
-        raise ApprovalRefused("malformed", f"{kind} evidence in the inbox is unreadable: {exc}") from exc
+        return decode(Signed, json.loads(gitstore.read_blob(repo, oid)))
+    except (ValueError, DecodeError) as exc:
+        raise ApprovalRefused(
+            "malformed", f"{kind} evidence in the inbox is unreadable: {exc}"
+        ) from exc
 
 
 def _clear_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> None:
@@ -71,15 +81,27 @@ def approval_claims(state: RunState, approver_note: str, ttl_seconds: float) -> 
     """What ``gitrun approve`` signs for the checkpoint's pending action."""
     p = state.pending
     if p is None or state.phase != AWAITING_APPROVAL:
-        raise GitrunError(f"run {state.run_id} has no action waiting for approval (phase {state.phase})")
+        raise GitrunError(
+            f"run {state.run_id} has no action waiting for approval (phase {state.phase})"
+        )
     now = time.time()
     return {
-        "kind": "approval", "task_id": state.task_id, "task_version": state.task_version,
-        "run_id": state.run_id, "policy_id": state.policy_id, "policy_version": state.policy_version,
-        "action": digest(encode(p.action)), "key": p.key, "intent_digest": p.intent_digest,
-        "instance_id": state.env.instance_id, "state_fingerprint": state_fingerprint(p),
-        "generation": state.generation, "issued_at": now, "expires_at": now + ttl_seconds,
-        "nonce": secrets.token_hex(16), "note": approver_note,
+        "kind": "approval",
+        "task_id": state.task_id,
+        "task_version": state.task_version,
+        "run_id": state.run_id,
+        "policy_id": state.policy_id,
+        "policy_version": state.policy_version,
+        "action": digest(encode(p.action)),
+        "key": p.key,
+        "intent_digest": p.intent_digest,
+        "instance_id": state.env.instance_id,
+        "state_fingerprint": state_fingerprint(p),
+        "generation": state.generation,
+        "issued_at": now,
+        "expires_at": now + ttl_seconds,
+        "nonce": secrets.token_hex(16),
+        "note": approver_note,
     }
 
 
@@ -91,13 +113,21 @@ def review_claims(state: RunState, decision: str) -> dict[str, Any]:
     if decision not in ("replan", "abort"):
         raise GitrunError(f"decision must be replan or abort, not {decision!r}")
     return {
-        "kind": "review", "decision": decision, "task_id": state.task_id,
-        "task_version": state.task_version, "run_id": state.run_id, "policy_id": state.policy_id,
-        "policy_version": state.policy_version, "action": digest(encode(case.action)), "key": case.key,
-        "pending_digest": case.pending_digest, "receipt_digest": case.receipt_digest,
+        "kind": "review",
+        "decision": decision,
+        "task_id": state.task_id,
+        "task_version": state.task_version,
+        "run_id": state.run_id,
+        "policy_id": state.policy_id,
+        "policy_version": state.policy_version,
+        "action": digest(encode(case.action)),
+        "key": case.key,
+        "pending_digest": case.pending_digest,
+        "receipt_digest": case.receipt_digest,
         "receipt_fingerprint": case.receipt_fingerprint,
         "environment_version": case.environment_version,
-        "nonce": secrets.token_hex(16), "issued_at": time.time(),
+        "nonce": secrets.token_hex(16),
+        "issued_at": time.time(),
     }
 
 
@@ -115,8 +145,12 @@ class Approvals:
 
     def require_roots(self, state: RunState) -> None:
         """Evidence in a checkpoint is trusted only against trust roots handed in now."""
-        holds = bool(state.used_nonces or state.review or state.sealed or
-                     (state.pending is not None and state.pending.approval is not None))
+        holds = bool(
+            state.used_nonces
+            or state.review
+            or state.sealed
+            or (state.pending is not None and state.pending.approval is not None)
+        )
         if holds and self.roots is None:
             raise CheckpointRejected(
                 "trust-roots-missing",
@@ -153,10 +187,17 @@ class Approvals:
         if claims.get("nonce") in state.used_nonces:
             raise ApprovalRefused("nonce-reused", f"nonce {claims.get('nonce')} was already used")
         expected = {
-            "kind": "approval", "task_id": state.task_id, "task_version": state.task_version,
-            "run_id": state.run_id, "policy_id": state.policy_id, "policy_version": state.policy_version,
-            "action": digest(encode(p.action)), "key": p.key, "intent_digest": p.intent_digest,
-            "instance_id": state.env.instance_id, "state_fingerprint": state_fingerprint(p),
+            "kind": "approval",
+            "task_id": state.task_id,
+            "task_version": state.task_version,
+            "run_id": state.run_id,
+            "policy_id": state.policy_id,
+            "policy_version": state.policy_version,
+            "action": digest(encode(p.action)),
+            "key": p.key,
+            "intent_digest": p.intent_digest,
+            "instance_id": state.env.instance_id,
+            "state_fingerprint": state_fingerprint(p),
             "generation": state.generation,
         }
         wrong = _mismatch(claims, expected)
@@ -176,13 +217,30 @@ class Approvals:
         claims = self.check_approval(s, evidence)
         sealed = s.sealed
         if s.pending.approval is not None:
-            sealed = (*sealed, {"kind": "approval_superseded", "evidence": s.pending.approval,
-                                "at": time.time()})
+            sealed = (
+                *sealed,
+                {"kind": "approval_superseded", "evidence": s.pending.approval, "at": time.time()},
+            )
         pending = replace(s.pending, approval=encode(evidence))
-        event = Event("approval", time.time(), {"fingerprint": evidence.fingerprint(),
-                                                "signer": evidence.signer, "expires_at": claims["expires_at"]})
-        rt.commit(replace(s, pending=pending, phase=RUNNING, stop_reason=None, sealed=sealed,
-                          used_nonces=(*s.used_nonces, str(claims["nonce"]))).with_events(event))
+        event = Event(
+            "approval",
+            time.time(),
+            {
+                "fingerprint": evidence.fingerprint(),
+                "signer": evidence.signer,
+                "expires_at": claims["expires_at"],
+            },
+        )
+        rt.commit(
+            replace(
+                s,
+                pending=pending,
+                phase=RUNNING,
+                stop_reason=None,
+                sealed=sealed,
+                used_nonces=(*s.used_nonces, str(claims["nonce"])),
+            ).with_events(event)
+        )
         _clear_inbox(rt.env.repo, s.run_id, "approval")
         rt.say(f"approval {evidence.fingerprint()[:19]} by {evidence.signer} accepted")
         return True
@@ -230,25 +288,56 @@ class Approvals:
         if claims.get("nonce") in s.used_nonces:
             raise ApprovalRefused("nonce-reused", f"nonce {claims.get('nonce')} was already used")
         expected = review_claims(s, str(claims.get("decision")))
-        wrong = _mismatch(claims, {k: v for k, v in expected.items() if k not in ("nonce", "issued_at")})
+        wrong = _mismatch(
+            claims, {k: v for k, v in expected.items() if k not in ("nonce", "issued_at")}
+        )
         if wrong:
             raise ApprovalRefused("binding", f"the decision is bound to another {', '.join(wrong)}")
         self._reread(rt, case.key, case.receipt_fingerprint, case.environment_version)
-        sealed_case = {"kind": "review", "case": encode(case), "decision": encode(evidence),
-                       "pending": encode(s.pending), "at": time.time()}
-        event = Event("review_decision", time.time(), {"decision": claims["decision"],
-                                                       "signer": evidence.signer})
+        sealed_case = {
+            "kind": "review",
+            "case": encode(case),
+            "decision": encode(evidence),
+            "pending": encode(s.pending),
+            "at": time.time(),
+        }
+        event = Event(
+            "review_decision",
+            time.time(),
+            {"decision": claims["decision"], "signer": evidence.signer},
+        )
         nonces = (*s.used_nonces, str(claims["nonce"]))
         if claims["decision"] == "abort":
-            nxt = replace(s, phase=FAILED, stop_reason="aborted_by_reviewer", pending=None, review=None,
-                          sealed=(*s.sealed, sealed_case), used_nonces=nonces)
+            nxt = replace(
+                s,
+                phase=FAILED,
+                stop_reason="aborted_by_reviewer",
+                pending=None,
+                review=None,
+                sealed=(*s.sealed, sealed_case),
+                used_nonces=nonces,
+            )
         else:
             obs = rt.env.observe(full=True)
-            env = replace(s.env, head=obs.head, tree=obs.tree, observation_version=obs.head,
-                          status_digest=obs.status_digest)
-            nxt = replace(s, phase=RUNNING, stop_reason=None, pending=None, review=None, env=env,
-                          cursor=max(0, s.cursor - 1), quarantined_keys=(*s.quarantined_keys, case.key),
-                          sealed=(*s.sealed, sealed_case), used_nonces=nonces)
+            env = replace(
+                s.env,
+                head=obs.head,
+                tree=obs.tree,
+                observation_version=obs.head,
+                status_digest=obs.status_digest,
+            )
+            nxt = replace(
+                s,
+                phase=RUNNING,
+                stop_reason=None,
+                pending=None,
+                review=None,
+                env=env,
+                cursor=max(0, s.cursor - 1),
+                quarantined_keys=(*s.quarantined_keys, case.key),
+                sealed=(*s.sealed, sealed_case),
+                used_nonces=nonces,
+            )
         rt.commit(nxt.with_events(event))
         _clear_inbox(rt.env.repo, s.run_id, "review")
         rt.say(f"review decision {claims['decision']} by {evidence.signer} accepted")
@@ -262,7 +351,9 @@ class Approvals:
         except ReceiptDrift as exc:
             raise ApprovalRefused("receipt-changed", f"the receipt of {key} moved: {exc}") from exc
         if receipt is None or receipt.fingerprint() != fingerprint:
-            raise ApprovalRefused("receipt-changed", f"the receipt for {key} changed after the decision was signed")
+            raise ApprovalRefused(
+                "receipt-changed", f"the receipt for {key} changed after the decision was signed"
+            )
         head = str(rt.env.head().id)
         if head != environment_version:
             raise ApprovalRefused(
@@ -270,4 +361,6 @@ class Approvals:
             )
         obs = rt.env.observe(full=True)
         if obs.dirty:
-            raise ApprovalRefused("environment-changed", f"uncommitted changes: {list(obs.dirty[:5])}")
+            raise ApprovalRefused(
+                "environment-changed", f"uncommitted changes: {list(obs.dirty[:5])}"
+            )

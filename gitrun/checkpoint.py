@@ -141,7 +141,9 @@ class CheckpointStore:
         key_id = trailers.get("Gitrun-Key-Id", "")
         signature = trailers.get("Gitrun-Signature", "")
         if not signature.startswith("hmac-sha256:"):
-            raise CheckpointRejected("bad-signature", f"checkpoint {oid} has no HMAC-SHA256 signature")
+            raise CheckpointRejected(
+                "bad-signature", f"checkpoint {oid} has no HMAC-SHA256 signature"
+            )
         parent = str(commit.parent_ids[0]) if commit.parent_ids else ""
         verdict = self.keyring.verify(
             key_id, _signed_bytes(ref, parent, payload), signature.removeprefix("hmac-sha256:")
@@ -156,7 +158,9 @@ class CheckpointStore:
             )
         state = _decode_state(payload, oid)
         if canonical_bytes(encode(state)) != payload:
-            raise CheckpointRejected("corrupt", f"checkpoint {oid} payload is not in canonical form")
+            raise CheckpointRejected(
+                "corrupt", f"checkpoint {oid} payload is not in canonical form"
+            )
         # The HMAC covers the payload; the subject and trailers around it (what `git log`
         # shows) must be exactly what that payload produces, and the tree the empty tree.
         mac = signature.removeprefix("hmac-sha256:")
@@ -172,7 +176,9 @@ class CheckpointStore:
         try:
             obj = self.repo[oid]
         except (KeyError, ValueError, pygit2.GitError) as exc:
-            raise CheckpointRejected("corrupt", f"checkpoint object {oid} is unreadable: {exc}") from exc
+            raise CheckpointRejected(
+                "corrupt", f"checkpoint object {oid} is unreadable: {exc}"
+            ) from exc
         if not isinstance(obj, pygit2.Commit):
             raise CheckpointRejected("corrupt", f"checkpoint {oid} is not a commit")
         return obj
@@ -197,7 +203,9 @@ def _split(raw: bytes, oid: pygit2.Oid) -> tuple[bytes, bytes, dict[str, str]]:
     for line in parts[2].decode("utf-8", "replace").splitlines():
         key, sep, value = line.partition(": ")
         if not sep:
-            raise CheckpointRejected("corrupt", f"checkpoint {oid} has a malformed trailer {line!r}")
+            raise CheckpointRejected(
+                "corrupt", f"checkpoint {oid} has a malformed trailer {line!r}"
+            )
         trailers[key] = value
     return parts[0], parts[1], trailers
 
@@ -220,7 +228,9 @@ def _decode_state(payload: bytes, oid: pygit2.Oid) -> RunState:
         raise CheckpointRejected(reason, f"checkpoint {oid}: {exc}") from exc
 
 
-def _check_chain(state: RunState, trailers: dict[str, str], commit: pygit2.Commit, ref: str) -> None:
+def _check_chain(
+    state: RunState, trailers: dict[str, str], commit: pygit2.Commit, ref: str
+) -> None:
     if trailers.get("Gitrun-Checkpoint") != str(state.generation):
         raise CheckpointRejected("corrupt", "generation trailer and payload disagree")
     if not ref.startswith(f"refs/gitrun/runs/{state.run_id}/checkpoints/{state.task_id}/"):
@@ -253,14 +263,20 @@ _PART_NAMES = {
 def _check_scenario(state: RunState, parts: dict[str, str]) -> None:
     from gitrun.task import scenario_fingerprint
 
-    changed = [k for k in sorted(set(parts) | set(state.scenario_parts)) if parts.get(k) != state.scenario_parts.get(k)]
+    changed = [
+        k
+        for k in sorted(set(parts) | set(state.scenario_parts))
+        if parts.get(k) != state.scenario_parts.get(k)
+    ]
     if changed:
         what = ", ".join(_PART_NAMES.get(k, k) for k in changed)
         raise CheckpointRejected(
             "scenario-changed", f"the task file handed in differs from the checkpoint's in {what}"
         )
     if scenario_fingerprint(state.scenario_parts) != state.scenario_fingerprint:
-        raise CheckpointRejected("scenario-changed", "the scenario fingerprint does not match its parts")
+        raise CheckpointRejected(
+            "scenario-changed", "the scenario fingerprint does not match its parts"
+        )
 
 
 def next_state(state: RunState, **changes: object) -> RunState:

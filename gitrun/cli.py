@@ -28,7 +28,9 @@ app = typer.Typer(
 )
 checkpoint_app = typer.Typer(no_args_is_help=True, help="Verify checkpoints.")
 debug_app = typer.Typer(no_args_is_help=True, help="Debugging aids.")
-keys_app = typer.Typer(no_args_is_help=True, help="Approver/reviewer keys and the checkpoint keyring.")
+keys_app = typer.Typer(
+    no_args_is_help=True, help="Approver/reviewer keys and the checkpoint keyring."
+)
 review_app = typer.Typer(no_args_is_help=True, help="Review a run frozen by a receipt conflict.")
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(debug_app, name="debug")
@@ -37,19 +39,27 @@ app.add_typer(review_app, name="review")
 
 WorkspaceOpt = Annotated[
     Path | None,
-    typer.Option("--workspace", envvar="GITRUN_HOME", help="State directory (default: the user's data dir)."),
+    typer.Option(
+        "--workspace", envvar="GITRUN_HOME", help="State directory (default: the user's data dir)."
+    ),
 ]
 KeyFileOpt = Annotated[
-    Path | None, typer.Option("--key-file", envvar="GITRUN_KEY_FILE", help="Checkpoint HMAC keyring.")
+    Path | None,
+    typer.Option("--key-file", envvar="GITRUN_KEY_FILE", help="Checkpoint HMAC keyring."),
 ]
-WorkerOpt = Annotated[str | None, typer.Option("--worker-id", help="This worker's id (default: host-pid-random).")]
+WorkerOpt = Annotated[
+    str | None, typer.Option("--worker-id", help="This worker's id (default: host-pid-random).")
+]
 LeaseOpt = Annotated[float, typer.Option("--lease-seconds", min=1.0, help="Lease duration.")]
 TakeoverOpt = Annotated[
-    float | None, typer.Option("--takeover-after", min=0.0, help="Take over a lease not renewed for this long.")
+    float | None,
+    typer.Option("--takeover-after", min=0.0, help="Take over a lease not renewed for this long."),
 ]
 TrustOpt = Annotated[
     Path | None,
-    typer.Option("--trust-roots", envvar="GITRUN_TRUST_ROOTS", help="Public keys of approvers/reviewers."),
+    typer.Option(
+        "--trust-roots", envvar="GITRUN_TRUST_ROOTS", help="Public keys of approvers/reviewers."
+    ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final line.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
@@ -60,13 +70,21 @@ def _say(line: str) -> None:
 
 
 def _options(
-    workspace: Path | None, key_file: Path | None, worker: str | None = None,
-    lease_seconds: float = 30.0, takeover_after: float | None = None, quiet: bool = False,
+    workspace: Path | None,
+    key_file: Path | None,
+    worker: str | None = None,
+    lease_seconds: float = 30.0,
+    takeover_after: float | None = None,
+    quiet: bool = False,
     trust_roots: Path | None = None,
 ) -> service.Options:
-    opts = service.Options(Workspace(workspace, key_file), lease_seconds=lease_seconds,
-                           takeover_after=takeover_after, say=(lambda _: None) if quiet else _say,
-                           trust_roots=trust_roots)
+    opts = service.Options(
+        Workspace(workspace, key_file),
+        lease_seconds=lease_seconds,
+        takeover_after=takeover_after,
+        say=(lambda _: None) if quiet else _say,
+        trust_roots=trust_roots,
+    )
     if worker:
         opts.worker = worker
     return opts
@@ -81,11 +99,17 @@ def _finish(state: RunState) -> None:
 @app.command()
 def run(
     task_dir: Annotated[Path, typer.Argument(help="A task directory holding task.toml.")],
-    repo: Annotated[Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")] = None,
+    repo: Annotated[
+        Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")
+    ] = None,
     agent: Annotated[str, typer.Option("--agent", help="plan, plan:FILE or patch:FILE.")] = "plan",
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name the run.")] = None,
-    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None, worker_id: WorkerOpt = None,
-    lease_seconds: LeaseOpt = 30.0, quiet: QuietOpt = False, trust_roots: TrustOpt = None,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+    worker_id: WorkerOpt = None,
+    lease_seconds: LeaseOpt = 30.0,
+    quiet: QuietOpt = False,
+    trust_roots: TrustOpt = None,
 ) -> None:
     """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
     opts = _options(workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots)
@@ -95,31 +119,46 @@ def run(
 @app.command()
 def resume(
     run_id: str,
-    task: Annotated[Path | None, typer.Option("--task", help="The task directory (default: the run's).")] = None,
-    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None, worker_id: WorkerOpt = None,
-    lease_seconds: LeaseOpt = 30.0, takeover_after: TakeoverOpt = None, quiet: QuietOpt = False,
+    task: Annotated[
+        Path | None, typer.Option("--task", help="The task directory (default: the run's).")
+    ] = None,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+    worker_id: WorkerOpt = None,
+    lease_seconds: LeaseOpt = 30.0,
+    takeover_after: TakeoverOpt = None,
+    quiet: QuietOpt = False,
     trust_roots: TrustOpt = None,
 ) -> None:
     """Continue a run that stopped anywhere: verify, reconcile, carry on exactly once."""
-    opts = _options(workspace, key_file, worker_id, lease_seconds, takeover_after, quiet, trust_roots)
+    opts = _options(
+        workspace, key_file, worker_id, lease_seconds, takeover_after, quiet, trust_roots
+    )
     _finish(service.resume(run_id, opts, task))
 
 
 @app.command()
-def status(run_id: str, as_json: JsonOpt = False, workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None) -> None:
+def status(
+    run_id: str,
+    as_json: JsonOpt = False,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+) -> None:
     """Show a run's phase, HEAD, pending action, receipts, verifier and lease."""
     info = service.status(run_id, _options(workspace, key_file))
     if as_json:
         typer.echo(json.dumps(info, indent=2, sort_keys=True))
         return
     lease = info.get("lease")
+    pending = info["pending"]
     lines = [
         f"run        {info['run_id']}  (task {info['task_id']})",
-        f"phase      {info['phase']}" + (f"  ({info['stop_reason']})" if info.get("stop_reason") else ""),
+        f"phase      {info['phase']}"
+        + (f"  ({info['stop_reason']})" if info.get("stop_reason") else ""),
         f"repo       {info['repo']}",
         f"worktree   {info['worktree']}  branch {info['branch']}",
         f"head       {info['head']}",
-        f"pending    {info['pending']['action'] + ' key ' + info['pending']['key'] if info['pending'] else '-'}",
+        f"pending    {pending['action'] + ' key ' + pending['key'] if pending else '-'}",
         f"receipts   {len(info['receipts'])}",
         f"verifier   {info['verifier']['summary'] if info['verifier'] else '-'}",
         f"lease      {_lease_line(lease)}",
@@ -138,7 +177,12 @@ def _lease_line(lease: dict[str, Any] | None) -> str:
 
 
 @app.command()
-def receipts(run_id: str, as_json: JsonOpt = False, workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None) -> None:
+def receipts(
+    run_id: str,
+    as_json: JsonOpt = False,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+) -> None:
     """List the run's write receipts (its commits), oldest first, read from git history."""
     rows = service.receipts(run_id, _options(workspace, key_file))
     if as_json:
@@ -162,19 +206,25 @@ def checkpoints(run_id: str, workspace: WorkspaceOpt = None, key_file: KeyFileOp
         s = stored.state
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.updated_at))
         kinds = ",".join(e.kind for e in s.events) or "-"
-        typer.echo(f"g={s.generation:<4} {s.phase:<18} {when}  key {stored.key_id}  {str(stored.oid)[:12]}  {kinds}")
+        oid = str(stored.oid)[:12]
+        typer.echo(f"g={s.generation:<4} {s.phase:<18} {when}  key {stored.key_id}  {oid}  {kinds}")
 
 
 @checkpoint_app.command("verify")
 def checkpoint_verify(
     run_id: str,
-    task: Annotated[Path | None, typer.Option("--task", help="Check against this task directory.")] = None,
-    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None,
+    task: Annotated[
+        Path | None, typer.Option("--task", help="Check against this task directory.")
+    ] = None,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
 ) -> None:
     """Verify the head checkpoint: signature, schema, high-water mark, scenario."""
     stored = service.verify(run_id, _options(workspace, key_file), task)
-    typer.echo(f"ok: run {run_id} generation {stored.state.generation} ({stored.state.phase}) "
-               f"signed with {stored.key_id}, at the high-water mark")
+    typer.echo(
+        f"ok: run {run_id} generation {stored.state.generation} ({stored.state.phase}) "
+        f"signed with {stored.key_id}, at the high-water mark"
+    )
 
 
 @debug_app.command("crash-points")
@@ -201,7 +251,9 @@ def keys_new(
     name: str,
     role: Annotated[str, typer.Option("--role", help="approver or reviewer.")],
     out_dir: Annotated[Path, typer.Option("--dir", help="Where to write NAME.key.")] = Path("."),
-    trust_roots: Annotated[Path | None, typer.Option("--trust-roots", help="Add the public key here.")] = None,
+    trust_roots: Annotated[
+        Path | None, typer.Option("--trust-roots", help="Add the public key here.")
+    ] = None,
 ) -> None:
     """Make an Ed25519 key pair: NAME.key (0600, keep it) and its public half in the trust roots."""
     from gitrun.evidence import new_keypair
@@ -219,7 +271,9 @@ def keys_rotate(workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None) -> 
 
     ws = Workspace(workspace, key_file)
     load_keyring(ws.key_file)
-    typer.echo(f"checkpoint key rotated: new active key {rotate_keyring(ws.key_file)} in {ws.key_file}")
+    typer.echo(
+        f"checkpoint key rotated: new active key {rotate_keyring(ws.key_file)} in {ws.key_file}"
+    )
 
 
 @app.command()
@@ -228,7 +282,9 @@ def approve(
     key: Annotated[Path, typer.Option("--key", help="The approver's private key file.")],
     ttl: Annotated[str, typer.Option("--ttl", help="How long the approval stays valid.")] = "1h",
     note: Annotated[str, typer.Option("--note", help="A word for the audit trail.")] = "",
-    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None, trust_roots: TrustOpt = None,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+    trust_roots: TrustOpt = None,
 ) -> None:
     """Show the action waiting for approval and sign an approval bound to exactly it."""
     opts = _options(workspace, key_file, trust_roots=trust_roots)
@@ -240,7 +296,9 @@ def approve(
     typer.echo(f"run {run_id} generation {state.generation}: {p.action.summary()}")
     typer.echo(f"risk: {p.risk}   key: {p.key}   intent: {p.intent_digest}")
     typer.echo(diff.rstrip("\n"))
-    typer.echo(f"approved by {signed.signer}: evidence {signed.fingerprint()} valid until {expires}")
+    typer.echo(
+        f"approved by {signed.signer}: evidence {signed.fingerprint()} valid until {expires}"
+    )
     typer.echo(f"next: gitrun resume {run_id} --trust-roots TRUST_ROOTS.json")
 
 
@@ -268,7 +326,8 @@ def review_decide(
     run_id: str,
     decision: Annotated[str, typer.Argument(help="replan or abort.")],
     key: Annotated[Path, typer.Option("--key", help="The reviewer's private key file.")],
-    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
 ) -> None:
     """Sign a replan or abort decision bound to exactly the open case."""
     signed = service.review_decide(run_id, _options(workspace, key_file), key, decision)
@@ -293,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if os.environ.get("GITRUN_DEBUG"):
             raise
-        typer.echo(f"gitrun: internal error: {type(exc).__name__}: {exc} (GITRUN_DEBUG=1 shows more)", err=True)
+        typer.echo(
+            f"gitrun: internal error: {type(exc).__name__}: {exc} (GITRUN_DEBUG=1 shows more)",
+            err=True,
+        )
         sys.exit(70)
     sys.exit(int(code or 0) if isinstance(code, int) else 0)

@@ -92,7 +92,9 @@ CLEAN_STATUS = digest([])
 class Environment:
     """The adapter for one run's worktree."""
 
-    def __init__(self, repo: pygit2.Repository, run_id: str, worktree: Path, task_label: str) -> None:
+    def __init__(
+        self, repo: pygit2.Repository, run_id: str, worktree: Path, task_label: str
+    ) -> None:
         self.repo = repo
         self.run_id = run_id
         self.worktree = worktree
@@ -138,7 +140,11 @@ class Environment:
         try:
             record = json.loads((gitdir / INSTANCE_FILE).read_text())
         except (OSError, ValueError) as exc:
-            raise EnvironmentDrift("instance-missing", f"{gitdir} has no gitrun instance id") from exc
+            raise EnvironmentDrift(
+                "other-instance",
+                f"{self.worktree} is not the run's environment: its git dir {gitdir} has no "
+                "gitrun instance id (same commit, another worktree)",
+            ) from exc
         here = str(self.worktree.resolve())
         if record.get("worktree") != here:
             raise EnvironmentDrift(
@@ -184,7 +190,9 @@ class Environment:
         if trailers.get("Gitrun-Run") != self.run_id or "Gitrun-Idempotency-Key" not in trailers:
             return None
         if len(commit.parents) != 1:
-            raise ReceiptDrift("not-a-write", f"commit {commit.id} has {len(commit.parents)} parents")
+            raise ReceiptDrift(
+                "not-a-write", f"commit {commit.id} has {len(commit.parents)} parents"
+            )
         parent = commit.parents[0]
         paths = sorted(trees.changed_paths(parent.tree, commit.tree))
         try:
@@ -208,9 +216,7 @@ class Environment:
             paths=tuple(paths),
         )
 
-    def lookup(
-        self, key: str, since: str | None = None, *, repair: bool = True
-    ) -> Receipt | None:
+    def lookup(self, key: str, since: str | None = None, *, repair: bool = True) -> Receipt | None:
         """Find the receipt for ``key``: the index ref, then the history (the authority).
 
         ``since`` bounds the history walk (the precondition HEAD of the pending intent);
@@ -236,7 +242,8 @@ class Environment:
         receipt = self.receipt_of(commit)
         if receipt is None or receipt.key != key:
             raise ReceiptDrift(
-                "index-mismatch", f"receipt index for {key} points at {oid}, which is not its receipt"
+                "index-mismatch",
+                f"receipt index for {key} points at {oid}, which is not its receipt",
             )
         if commit.id != tip.id and not self.repo.descendant_of(tip.id, commit.id):
             raise ReceiptDrift(
@@ -297,9 +304,17 @@ class Environment:
         self._check_fence(head, fence, approval)
         changes = self.plan_changes(action, head.tree)
         self._check_clean(head.tree, changes)
-        new_tree = trees.tree_with_changes(self.repo, head.tree, {p: c for p, c in changes.items()})
+        new_tree = trees.tree_with_changes(self.repo, head.tree, dict(changes))
         oid = self._commit(
-            action, key, intent_digest, precondition, fence, approval, head, new_tree, sorted(changes)
+            action,
+            key,
+            intent_digest,
+            precondition,
+            fence,
+            approval,
+            head,
+            new_tree,
+            sorted(changes),
         )
         faults.point("after_write_commit_object")
         guards = [fence_guard(self.repo, self.run_id, fence)]
@@ -360,7 +375,9 @@ class Environment:
             return {action.path: (self.repo.create_blob(action.content.encode()), keep)}
         if action.kind == "delete_file" and action.path is not None:
             if trees.entry(tree, action.path) is None:
-                raise GateRejected("missing-path", f"{action.path} does not exist; nothing to delete")
+                raise GateRejected(
+                    "missing-path", f"{action.path} does not exist; nothing to delete"
+                )
             return {action.path: None}
         if action.kind == "apply_patch" and action.patch is not None:
             return self._patch_changes(action.patch, tree)
@@ -465,7 +482,9 @@ class Environment:
         if not status:
             return False
         if self.receipt_of_trailers_only(head) is None or len(head.parents) != 1:
-            raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes: {sorted(status)[:5]}")
+            raise EnvironmentDrift(
+                "uncommitted-edits", f"uncommitted changes: {sorted(status)[:5]}"
+            )
         parent = head.parents[0]
         changed = trees.changed_paths(parent.tree, head.tree)
         for path in status:
@@ -485,7 +504,9 @@ class Environment:
         changes: dict[str, trees.Change] = {}
         for path in changed:
             obj = trees.entry(head.tree, path)
-            changes[path] = None if obj is None else (obj.id, trees.entry_mode(head.tree, path) or 0)
+            changes[path] = (
+                None if obj is None else (obj.id, trees.entry_mode(head.tree, path) or 0)
+            )
         self.sync_files(parent.tree, head.tree, changes)
         return True
 

@@ -58,7 +58,9 @@ def key_id(public: bytes) -> str:
     return "ed-" + hashlib.sha256(public).hexdigest()[:16]
 
 
-def new_keypair(role: str, name: str, out_dir: Path, trust_roots: Path | None) -> tuple[Path, TrustRoot]:
+def new_keypair(
+    role: str, name: str, out_dir: Path, trust_roots: Path | None
+) -> tuple[Path, TrustRoot]:
     """Write ``<out_dir>/<name>.key`` (0600) and add its public half to ``trust_roots``."""
     if role not in ROLES:
         raise BadInput(f"--role must be one of {', '.join(ROLES)}, not {role!r}")
@@ -71,7 +73,9 @@ def new_keypair(role: str, name: str, out_dir: Path, trust_roots: Path | None) -
     raw = private.private_bytes(
         serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
     )
-    public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    public = private.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
     root = TrustRoot(key_id(public), name, role, _b64(public))
     record = PrivateKeyFile(1, root.id, name, role, _b64(raw))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,13 +96,14 @@ def load_trust_roots(path: Path) -> dict[str, TrustRoot]:
     """The trusted public keys, by id."""
     try:
         doc = json.loads(path.read_text())
-        if doc.get("schema") != 1:
-            raise ValueError("schema")
+        schema = doc.get("schema")
         roots = [decode(TrustRoot, k) for k in doc["keys"]]
     except FileNotFoundError as exc:
         raise BadInput(f"trust-root file {path} does not exist") from exc
     except (ValueError, KeyError, TypeError, AttributeError, DecodeError) as exc:
         raise BadInput(f"trust-root file {path} is not a gitrun trust-root file: {exc}") from exc
+    if schema != 1:
+        raise BadInput(f"trust-root file {path} has schema {schema!r}, not 1")
     for r in roots:
         if r.role not in ROLES or key_id(_unb64(r.public_key)) != r.id:
             raise BadInput(f"trust-root file {path}: key {r.id} is malformed")
@@ -112,9 +117,13 @@ def load_private_key(path: Path) -> tuple[PrivateKeyFile, Ed25519PrivateKey]:
     except FileNotFoundError as exc:
         raise KeyFileError(f"key file {path} does not exist") from exc
     except (ValueError, DecodeError) as exc:
-        raise KeyFileError(f"key file {path} is not a gitrun Ed25519 key ({type(exc).__name__})") from exc
+        raise KeyFileError(
+            f"key file {path} is not a gitrun Ed25519 key ({type(exc).__name__})"
+        ) from exc
     if mode & 0o077:
-        raise KeyFileError(f"key file {path} is readable by others (mode {mode:o}); run: chmod 600 {path}")
+        raise KeyFileError(
+            f"key file {path} is readable by others (mode {mode:o}); run: chmod 600 {path}"
+        )
     return record, Ed25519PrivateKey.from_private_bytes(_unb64(record.private_key))
 
 
@@ -138,7 +147,9 @@ def sign(claims: dict[str, Any], key_file: Path, role: str, domain: bytes) -> Si
     return Signed(claims, record.id, _b64(signature))
 
 
-def verify(evidence: Signed, roots: dict[str, TrustRoot], role: str, domain: bytes) -> dict[str, Any]:
+def verify(
+    evidence: Signed, roots: dict[str, TrustRoot], role: str, domain: bytes
+) -> dict[str, Any]:
     """The claims, if a trusted key of ``role`` signed exactly them; else ApprovalRefused."""
     root = roots.get(evidence.signer)
     if root is None:
@@ -149,7 +160,9 @@ def verify(evidence: Signed, roots: dict[str, TrustRoot], role: str, domain: byt
     try:
         public.verify(_unb64(evidence.signature), domain + canonical_bytes(evidence.claims))
     except (InvalidSignature, ValueError) as exc:
-        raise ApprovalRefused("bad-signature", f"evidence signed as {root.name} does not verify") from exc
+        raise ApprovalRefused(
+            "bad-signature", f"evidence signed as {root.name} does not verify"
+        ) from exc
     if not isinstance(evidence.claims, dict):
         raise ApprovalRefused("malformed", "evidence claims are not an object")
     return evidence.claims

@@ -59,7 +59,9 @@ def normalise_path(raw: str | None) -> str:
     if "\x00" in raw or "\\" in raw:
         raise GateRejected("path-characters", f"{raw!r} contains a NUL or a backslash")
     if raw.startswith("/") or re.match(r"^[A-Za-z]:", raw):
-        raise GateRejected("path-absolute", f"{raw} is absolute; paths are relative to the repo root")
+        raise GateRejected(
+            "path-absolute", f"{raw} is absolute; paths are relative to the repo root"
+        )
     parts = raw.split("/")
     if ".." in parts:
         raise GateRejected("path-dotdot", f"{raw} contains '..'")
@@ -104,9 +106,13 @@ class Gate:
     def check_budgets(self, used: Budgets, started_at: float) -> None:
         limits = self.task.budgets
         if used.proposals >= limits.max_proposals:
-            raise GateRejected("budget-proposals", f"{used.proposals} proposals used of {limits.max_proposals}")
+            raise GateRejected(
+                "budget-proposals", f"{used.proposals} proposals used of {limits.max_proposals}"
+            )
         if used.steps >= limits.max_steps:
-            raise GateRejected("budget-steps", f"{used.steps} write steps used of {limits.max_steps}")
+            raise GateRejected(
+                "budget-steps", f"{used.steps} write steps used of {limits.max_steps}"
+            )
         elapsed = used.wall_seconds + (time.time() - started_at)
         if elapsed >= limits.max_wall_seconds:
             raise GateRejected(
@@ -120,7 +126,9 @@ class Gate:
             if trees.entry_mode(tree, prefix) == trees.LINK:
                 raise GateRejected("path-symlink", f"{path} goes through the symlink {prefix}")
             if (self.worktree / prefix).is_symlink():
-                raise GateRejected("path-symlink", f"{path} goes through the symlink {prefix} on disk")
+                raise GateRejected(
+                    "path-symlink", f"{path} goes through the symlink {prefix} on disk"
+                )
         root = self.worktree.resolve()
         resolved = (self.worktree / path).resolve()
         if resolved != root and root not in resolved.parents:
@@ -152,8 +160,11 @@ class Gate:
     def risk(self, action: Action) -> str | None:
         """The name of the first risk rule the action matches (it needs approval), or None."""
         paths = (
-            touched_paths(parse_patch(action.patch)) if action.kind == "apply_patch" and action.patch
-            else (action.path,) if action.path else ()
+            touched_paths(parse_patch(action.patch))
+            if action.kind == "apply_patch" and action.patch
+            else (action.path,)
+            if action.path
+            else ()
         )
         lines = changed_line_count(parse_patch(action.patch)) if action.patch else 0
         for rule in self.policy.risk:

@@ -196,6 +196,15 @@ def _hex(oid: pygit2.Oid | None) -> str | None:
     return None if oid is None else str(oid)
 
 
+def read_blob(repo: pygit2.Repository, oid: pygit2.Oid) -> bytes:
+    """The bytes of the blob ``oid``; ValueError when it is missing or not a blob."""
+    obj = repo.get(oid)
+    if not isinstance(obj, pygit2.Blob):
+        raise ValueError(f"{oid} is not a blob")  # noqa: TRY004 - callers treat it as bad data
+    data: bytes = obj.data
+    return data
+
+
 def write_blob(repo: pygit2.Repository, data: bytes) -> pygit2.Oid:
     """Write one blob object (durable when fsync is on)."""
     oid: pygit2.Oid = repo.create_blob(data)

@@ -8,6 +8,7 @@ never printed: :class:`Keyring` has no ``repr`` of them and only key *ids* leave
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -65,7 +66,11 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def _dump(active: str, keys: dict[str, bytes]) -> bytes:
-    doc = {"schema": KEYRING_SCHEMA, "active": active, "keys": {k: v.hex() for k, v in keys.items()}}
+    doc = {
+        "schema": KEYRING_SCHEMA,
+        "active": active,
+        "keys": {k: v.hex() for k, v in keys.items()},
+    }
     return json.dumps(doc, indent=1).encode()
 
 
@@ -75,10 +80,9 @@ def load_keyring(path: Path, create: bool = True) -> Keyring:
         if not create:
             raise KeyFileError(f"key file {path} does not exist")
         kid = _new_key_id()
-        try:
+        # Another process may create it first: then read theirs.
+        with contextlib.suppress(FileExistsError):
             _write_private(path, _dump(kid, {kid: secrets.token_bytes(32)}))
-        except FileExistsError:
-            pass  # another process created it first; read theirs
     return _read_keyring(path)
 
 
@@ -97,17 +101,20 @@ def _read_keyring(path: Path) -> Keyring:
         doc = json.loads(raw)
         active = doc["active"]
         keys = {str(k): bytes.fromhex(v) for k, v in doc["keys"].items()}
-        if doc.get("schema") != KEYRING_SCHEMA or active not in keys:
-            raise ValueError("schema or active key")
+        schema = doc.get("schema")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise KeyFileError(f"key file {path} is not a gitrun keyring ({type(exc).__name__})") from exc
+        raise KeyFileError(
+            f"key file {path} is not a gitrun keyring ({type(exc).__name__})"
+        ) from exc
+    if schema != KEYRING_SCHEMA or active not in keys:
+        raise KeyFileError(f"key file {path} is not a gitrun keyring (schema or active key)")
     return Keyring(str(path), active, keys)
 
 
 def rotate_keyring(path: Path) -> str:
     """Add a new active key; older keys stay accepted for verification. Returns its id."""
     ring = _read_keyring(path)
-    keys = dict(ring._secrets)  # noqa: SLF001 - the module owns the keyring format
+    keys = dict(ring._secrets)
     kid = _new_key_id()
     keys[kid] = secrets.token_bytes(32)
     _write_private(path, _dump(kid, keys))

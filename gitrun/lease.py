@@ -66,11 +66,8 @@ def read_lease(repo: pygit2.Repository, run_id: str) -> tuple[Lease | None, pygi
 
 def _decode(repo: pygit2.Repository, oid: pygit2.Oid) -> Lease:
     try:
-        blob = repo[oid]
-        if not isinstance(blob, pygit2.Blob):
-            raise ValueError("not a blob")
-        return decode(Lease, json.loads(blob.data))
-    except (KeyError, ValueError, DecodeError) as exc:
+        return decode(Lease, json.loads(gitstore.read_blob(repo, oid)))
+    except (ValueError, DecodeError) as exc:
         raise GitrunError(f"lease object {oid} is unreadable: {exc}") from exc
 
 
@@ -170,7 +167,12 @@ class LeaseManager:
     def _write(self, lease: Lease, expected: pygit2.Oid | None, what: str) -> None:
         oid = gitstore.write_blob(self.repo, canonical_bytes(encode(lease)))
         gitstore.update_ref(
-            self.repo, lease_ref(self.run_id), expected, oid, message=f"gitrun lease {what}", what=what
+            self.repo,
+            lease_ref(self.run_id),
+            expected,
+            oid,
+            message=f"gitrun lease {what}",
+            what=what,
         )
         self.lease, self._oid = lease, oid
 
@@ -179,8 +181,10 @@ class LeaseManager:
         seconds, or held by a worker that is dead (its owner lock is free)."""
         current, oid = self.check_takeable(takeover_after)
         now = time.time()
-        version = 1 if current is None else current.lease_version + (
-            0 if current.owner_worker == self.worker else 1
+        version = (
+            1
+            if current is None
+            else current.lease_version + (0 if current.owner_worker == self.worker else 1)
         )
         lease = Lease(
             1, self.run_id, self.worker, version, now + self.duration, state_version, now, now
@@ -193,7 +197,8 @@ class LeaseManager:
             expires = winner.expires_at if winner else 0.0
             self._drop_owner_lock()
             raise LeaseHeld(
-                owner, expires,
+                owner,
+                expires,
                 f"another worker took run {self.run_id} first: {owner} until {_until(expires)}",
             ) from exc
         return lease
@@ -208,7 +213,9 @@ class LeaseManager:
         """
         if not self._claim_owner_lock():
             raise LeaseHeld(
-                self.worker, 0.0, f"worker id {self.worker} is already at work on run "
+                self.worker,
+                0.0,
+                f"worker id {self.worker} is already at work on run "
                 f"{self.run_id} in another live process; pick another --worker-id",
             )
         current, oid = read_lease(self.repo, self.run_id)

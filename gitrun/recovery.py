@@ -41,7 +41,8 @@ def check_cached_receipt(rt: Runtime, *, repair: bool = True) -> None:
     if differing:
         raise ReceiptDrift(
             "receipt-fields",
-            f"receipt for {last.key} differs between checkpoint and commit in {', '.join(differing)}",
+            f"receipt for {last.key} differs between checkpoint and commit in "
+            f"{', '.join(differing)}",
         )
 
 
@@ -94,7 +95,9 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
         env.repair_sync()
         obs = env.observe(full=True)
         if obs.dirty:
-            raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes: {list(obs.dirty[:5])}")
+            raise EnvironmentDrift(
+                "uncommitted-edits", f"uncommitted changes: {list(obs.dirty[:5])}"
+            )
         rt.accept(receipt, replayed=True)
         return "write-reconciled"
     raise _classify_drift(env.repo, pygit2.Oid(hex=s.env.head), tip.id)
@@ -123,17 +126,24 @@ def _is_pending_write(rt: Runtime, tip: pygit2.Commit) -> bool:
     if receipt.intent_digest != p.intent_digest:
         return True  # same key, another intent: a receipt conflict for review, not drift
     if receipt.instance_id != p.precondition.instance_id or receipt.action != p.action.kind:
-        raise EnvironmentDrift("foreign-commit", f"{tip.id} carries the key but not the intent's trailers")
+        raise EnvironmentDrift(
+            "foreign-commit", f"{tip.id} carries the key but not the intent's trailers"
+        )
     parent_tree = tip.parents[0].tree
-    expected = trees.tree_with_changes(rt.env.repo, parent_tree, rt.env.plan_changes(p.action, parent_tree))
+    expected = trees.tree_with_changes(
+        rt.env.repo, parent_tree, rt.env.plan_changes(p.action, parent_tree)
+    )
     if expected != tip.tree_id:
         raise EnvironmentDrift(
-            "foreign-commit", f"{tip.id} carries the intent but not the tree it deterministically makes"
+            "foreign-commit",
+            f"{tip.id} carries the intent but not the tree it deterministically makes",
         )
     return True
 
 
-def _classify_drift(repo: pygit2.Repository, expected: pygit2.Oid, tip: pygit2.Oid) -> EnvironmentDrift:
+def _classify_drift(
+    repo: pygit2.Repository, expected: pygit2.Oid, tip: pygit2.Oid
+) -> EnvironmentDrift:
     if repo.descendant_of(expected, tip):
         return EnvironmentDrift(
             "head-moved-backwards", f"the branch went back from {expected} to {tip}"

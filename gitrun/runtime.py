@@ -141,18 +141,33 @@ class Runtime:
             approval=None,
             proposed_at=time.time(),
         )
-        event = Event("intent", time.time(), {"key": pending.key, "action": action.summary(),
-                                              "digest": pending.intent_digest, "risk": risk})
+        event = Event(
+            "intent",
+            time.time(),
+            {
+                "key": pending.key,
+                "action": action.summary(),
+                "digest": pending.intent_digest,
+                "risk": risk,
+            },
+        )
         nxt = replace(s, pending=pending, cursor=s.cursor + 1, budgets=budgets).with_events(event)
         if risk is not None:
             nxt = replace(nxt, phase=AWAITING_APPROVAL, stop_reason="awaiting_approval")
         self.commit(nxt)
-        self.say(f"intent {pending.key}: {action.summary()}" + (f" [needs approval: {risk}]" if risk else ""))
+        self.say(
+            f"intent {pending.key}: {action.summary()}"
+            + (f" [needs approval: {risk}]" if risk else "")
+        )
         faults.point("after_intent_checkpoint")
 
     def _rejected(self, summary: str, exc: GateRejected) -> None:
         s = self.state
-        event = Event("gate_rejected", time.time(), {"rule": exc.rule, "message": exc.message, "action": summary})
+        event = Event(
+            "gate_rejected",
+            time.time(),
+            {"rule": exc.rule, "message": exc.message, "action": summary},
+        )
         self.say(f"gate rejected {summary}: {exc.message}")
         if exc.rule.startswith("budget-"):
             self.commit(replace(s, phase=FAILED, stop_reason="budget_exhausted").with_events(event))
@@ -205,9 +220,13 @@ class Runtime:
             raise GitrunError("a receipt needs a pending intent")
         if receipt.key != p.key or receipt.intent_digest != p.intent_digest:
             raise GitrunError(f"receipt {receipt.commit} is not the pending intent's")
-        if receipt.parent != p.precondition.head or receipt.instance_id != p.precondition.instance_id:
+        if (
+            receipt.parent != p.precondition.head
+            or receipt.instance_id != p.precondition.instance_id
+        ):
             raise EnvironmentDrift(
-                "foreign-commit", f"receipt {receipt.commit} was not made on the intent's precondition"
+                "foreign-commit",
+                f"receipt {receipt.commit} was not made on the intent's precondition",
             )
         env = replace(
             s.env,
@@ -217,9 +236,20 @@ class Runtime:
             adapter_generation=s.env.adapter_generation + 1,
         )
         budgets = replace(s.budgets, steps=s.budgets.steps + 1)
-        event = Event("receipt", time.time(), {"receipt": encode(receipt), "replayed": replayed,
-                                              "fingerprint": receipt.fingerprint()})
-        self.commit(replace(s, pending=None, env=env, budgets=budgets, receipts=s.receipts.add(receipt)).with_events(event))
+        event = Event(
+            "receipt",
+            time.time(),
+            {
+                "receipt": encode(receipt),
+                "replayed": replayed,
+                "fingerprint": receipt.fingerprint(),
+            },
+        )
+        self.commit(
+            replace(
+                s, pending=None, env=env, budgets=budgets, receipts=s.receipts.add(receipt)
+            ).with_events(event)
+        )
         how = "reconciled" if replayed else "committed"
         self.say(f"{how} {receipt.commit[:12]} for {receipt.key}")
 
@@ -240,7 +270,11 @@ class Runtime:
             opened_at=time.time(),
         )
         event = Event("receipt_conflict", time.time(), {"case": encode(case)})
-        self.commit(replace(s, phase=NEEDS_REVIEW, stop_reason="receipt_conflict", review=case).with_events(event))
+        self.commit(
+            replace(s, phase=NEEDS_REVIEW, stop_reason="receipt_conflict", review=case).with_events(
+                event
+            )
+        )
         self.say(f"review needed for {p.key}: {reason}; run frozen")
 
     def verify(self) -> None:
@@ -248,9 +282,13 @@ class Runtime:
         faults.point("before_verify")
         obs = self.env.observe(full=True)
         if obs.dirty:
-            raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes before verify: {list(obs.dirty[:5])}")
+            raise EnvironmentDrift(
+                "uncommitted-edits", f"uncommitted changes before verify: {list(obs.dirty[:5])}"
+            )
         if obs.head != self.state.env.head:
-            raise EnvironmentDrift("head-moved", f"HEAD {obs.head} is not the last write {self.state.env.head}")
+            raise EnvironmentDrift(
+                "head-moved", f"HEAD {obs.head} is not the last write {self.state.env.head}"
+            )
         self.say(f"verifier: {' '.join(self.task.verifier.command)}")
         result = run_verifier(
             self.task.verifier,
@@ -263,14 +301,24 @@ class Runtime:
         faults.point("after_verify")
         after = self.env.observe(full=True)
         if after.fingerprint() != obs.fingerprint():
-            raise EnvironmentDrift("verifier-changed-tree", f"the test command changed the worktree: {list(after.dirty[:5])}")
-        event = VerifierEvent(obs.head, obs.tree, result.passed, result.summary, dict(result.outcomes), time.time())
+            raise EnvironmentDrift(
+                "verifier-changed-tree",
+                f"the test command changed the worktree: {list(after.dirty[:5])}",
+            )
+        event = VerifierEvent(
+            obs.head, obs.tree, result.passed, result.summary, dict(result.outcomes), time.time()
+        )
         phase, reason = (DONE, "verified") if result.passed else (FAILED, "verifier_failed")
         s = self.state
         env = replace(s.env, status_digest=obs.status_digest)
-        trace = Event("verifier", time.time(), {**encode(event), "exit_code": result.exit_code,
-                                               "timed_out": result.timed_out})
-        self.commit(replace(s, phase=phase, stop_reason=reason, verifier=event, env=env).with_events(trace))
+        trace = Event(
+            "verifier",
+            time.time(),
+            {**encode(event), "exit_code": result.exit_code, "timed_out": result.timed_out},
+        )
+        self.commit(
+            replace(s, phase=phase, stop_reason=reason, verifier=event, env=env).with_events(trace)
+        )
         self.say(f"verifier: {result.summary}")
 
 

@@ -17,20 +17,20 @@ import pygit2
 
 from gitrun import gitstore, trees
 from gitrun.agents import ScriptAgent, load_agent
+from gitrun.approvals import Approvals, approval_claims, review_claims, submit
 from gitrun.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
 from gitrun.codec import encode
 from gitrun.environment import Environment, branch_ref
 from gitrun.errors import BadInput, CheckpointRejected, Frozen, GitrunError, LeaseLost
+from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, load_trust_roots
+from gitrun.evidence import sign as sign_evidence
+from gitrun.evidence import verify as verify_evidence
 from gitrun.keys import load_keyring
 from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, read_lease
 from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, EnvState, RunState
 from gitrun.recovery import reconcile
-from gitrun.approvals import Approvals, approval_claims, review_claims, submit
-from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, load_trust_roots
-from gitrun.evidence import sign as sign_evidence
-from gitrun.evidence import verify as verify_evidence
-from gitrun.show import action_diff, commit_diff, side_by_side
 from gitrun.runtime import Runtime, initial_state
+from gitrun.show import action_diff, commit_diff, side_by_side
 from gitrun.task import Task, load_task
 from gitrun.workspace import RunRecord, Workspace, check_run_id, new_run_id, user_repo
 
@@ -77,7 +77,9 @@ def _base_parts(task: Task, repo: pygit2.Repository, record_base: str | None) ->
     return task.scenario_parts(commit, tree)
 
 
-def start(task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: str, run_id: str | None) -> RunState:
+def start(
+    task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: str, run_id: str | None
+) -> RunState:
     """Create a run (worktree, first checkpoint) and drive it to an end or a freeze."""
     task = load_task(task_dir)
     agent, recorded_spec = load_agent(agent_spec, task)
@@ -92,11 +94,20 @@ def start(task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: 
     else:
         repo, base = ws.sandbox_repo(task)
     if gitstore.read_ref(repo, branch_ref(rid)) is not None:
-        raise BadInput(f"branch gitrun/{rid} already exists in {repo.workdir}; pick another --run-id")
+        raise BadInput(
+            f"branch gitrun/{rid} already exists in {repo.workdir}; pick another --run-id"
+        )
     load_keyring(ws.key_file)  # a bad key file fails before the run exists; bad input makes no key
-    record = RunRecord(rid, str(Path(repo.path).parent if not repo.is_bare else repo.path),
-                       task.task_dir, str(ws.worktree_path(rid)), branch_ref(rid), recorded_spec,
-                       str(base), time.time())
+    record = RunRecord(
+        rid,
+        str(Path(repo.path).parent if not repo.is_bare else repo.path),
+        task.task_dir,
+        str(ws.worktree_path(rid)),
+        branch_ref(rid),
+        recorded_spec,
+        str(base),
+        time.time(),
+    )
     ws.save(record)
     return _setup_and_run(record, task, repo, agent, keyring_store(repo, ws), opts)
 
@@ -106,28 +117,63 @@ def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
     return CheckpointStore(repo, load_keyring(ws.key_file, create=False))
 
 
-def _setup_and_run(record: RunRecord, task: Task, repo: pygit2.Repository, agent: ScriptAgent,
-                   store: CheckpointStore, opts: Options, *,
-                   lease: LeaseManager | None = None) -> RunState:
+def _setup_and_run(
+    record: RunRecord,
+    task: Task,
+    repo: pygit2.Repository,
+    agent: ScriptAgent,
+    store: CheckpointStore,
+    opts: Options,
+    *,
+    lease: LeaseManager | None = None,
+) -> RunState:
     if lease is None:
         lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
         lease.acquire(0, opts.takeover_after)
     try:
-        env = Environment.create(repo, record.run_id, pygit2.Oid(hex=record.base_commit),
-                                 Path(record.worktree), f"{task.id}@{task.version}")
+        env = Environment.create(
+            repo,
+            record.run_id,
+            pygit2.Oid(hex=record.base_commit),
+            Path(record.worktree),
+            f"{task.id}@{task.version}",
+        )
         obs = env.observe(full=True)
         parts = _base_parts(task, repo, record.base_commit)
         state = initial_state(
-            run_id=record.run_id, task=task, agent=agent.identity, worker=opts.worker,
-            env_state=EnvState(obs.instance_id, record.worktree, record.branch, record.base_commit,
-                               obs.head, obs.tree, obs.status_digest, obs.head, 0),
-            lease_version=lease.fence.version, scenario_parts=parts,
+            run_id=record.run_id,
+            task=task,
+            agent=agent.identity,
+            worker=opts.worker,
+            env_state=EnvState(
+                obs.instance_id,
+                record.worktree,
+                record.branch,
+                record.base_commit,
+                obs.head,
+                obs.tree,
+                obs.status_digest,
+                obs.head,
+                0,
+            ),
+            lease_version=lease.fence.version,
+            scenario_parts=parts,
         )
         ref = checkpoint_ref(record.run_id, task.id, obs.instance_id)
         oid = store.advance(ref, state, None, lease.fence)
         opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
-        rt = Runtime(task, env, store, ref, lease, agent, replace(state, events=()), oid, opts.say,
-                     opts.approvals)
+        rt = Runtime(
+            task,
+            env,
+            store,
+            ref,
+            lease,
+            agent,
+            replace(state, events=()),
+            oid,
+            opts.say,
+            opts.approvals,
+        )
         return _drive(rt)
     finally:
         _release(lease)
@@ -159,7 +205,9 @@ def open_run(run_id: str, opts: Options, task_dir: Path | None = None) -> Opened
 def _the_ref(opened: Opened) -> str | None:
     refs = find_checkpoint_refs(opened.repo, opened.record.run_id)
     if len(refs) > 1:
-        raise CheckpointRejected("ambiguous", f"run {opened.record.run_id} has {len(refs)} checkpoint refs")
+        raise CheckpointRejected(
+            "ambiguous", f"run {opened.record.run_id} has {len(refs)} checkpoint refs"
+        )
     return refs[0] if refs else None
 
 
@@ -171,7 +219,9 @@ def load_verified(opened: Opened, *, check_scenario: bool = True) -> tuple[str, 
             f"run {opened.record.run_id} has no checkpoint ref under refs/gitrun/runs/"
             f"{opened.record.run_id}/checkpoints/; nothing can be trusted",
         )
-    parts = _base_parts(opened.task, opened.repo, opened.record.base_commit) if check_scenario else None
+    parts = (
+        _base_parts(opened.task, opened.repo, opened.record.base_commit) if check_scenario else None
+    )
     return ref, opened.store.load(ref, scenario_parts=parts)
 
 
@@ -195,7 +245,9 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     ref, stored = load_verified(opened)
     state = stored.state
     if state.agent != agent.identity:
-        raise CheckpointRejected("agent-changed", f"the agent's inputs changed since the checkpoint ({record.agent})")
+        raise CheckpointRejected(
+            "agent-changed", f"the agent's inputs changed since the checkpoint ({record.agent})"
+        )
     approvals = opts.approvals
     approvals.require_roots(state)
     if state.phase in TERMINAL:
@@ -207,8 +259,21 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
         # changes nothing, not even the lease (reconcile runs again under the lease).
         lease.check_takeable(opts.takeover_after)
         if state.phase != NEEDS_REVIEW:
-            reconcile(Runtime(task, opened.env, opened.store, ref, lease, agent, state, stored.oid,
-                              opts.say, approvals), apply=False)
+            reconcile(
+                Runtime(
+                    task,
+                    opened.env,
+                    opened.store,
+                    ref,
+                    lease,
+                    agent,
+                    state,
+                    stored.oid,
+                    opts.say,
+                    approvals,
+                ),
+                apply=False,
+            )
     except GitrunError:
         _release(lease)
         raise
@@ -222,8 +287,18 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
         if state.phase in TERMINAL:
             return state
         # The loaded checkpoint's events are already in the chain: do not carry them on.
-        rt = Runtime(task, opened.env, opened.store, ref, lease, agent, replace(state, events=()),
-                     stored.oid, opts.say, approvals)
+        rt = Runtime(
+            task,
+            opened.env,
+            opened.store,
+            ref,
+            lease,
+            agent,
+            replace(state, events=()),
+            stored.oid,
+            opts.say,
+            approvals,
+        )
         if state.phase == NEEDS_REVIEW:
             if not approvals.intake_review(rt):
                 raise Frozen(rt.frozen_message())
@@ -256,7 +331,9 @@ def _discard_setup(opened: Opened) -> None:
     shutil.rmtree(rec.worktree, ignore_errors=True)
     tip = gitstore.read_ref(opened.repo, rec.branch)
     if tip is not None:
-        gitstore.update_ref(opened.repo, rec.branch, tip, None, message="gitrun: discard unstarted run")
+        gitstore.update_ref(
+            opened.repo, rec.branch, tip, None, message="gitrun: discard unstarted run"
+        )
     # A first checkpoint killed inside its ref transaction left <ref>.lock on a ref named
     # after the discarded instance, which no later write locks.
     _clear_stale_locks(opened)
@@ -281,27 +358,55 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
     rec = opened.record
     lease, _ = read_lease(opened.repo, rec.run_id)
     out: dict[str, Any] = {
-        "run_id": rec.run_id, "repo": rec.repo, "worktree": rec.worktree,
-        "branch": rec.branch.removeprefix("refs/heads/"), "task_dir": rec.task_dir,
-        "workspace": str(opts.workspace.root), "key_file": str(opts.workspace.key_file),
-        "lease": None if lease is None else {**encode(lease), "live": lease.expires_at > time.time()},
+        "run_id": rec.run_id,
+        "repo": rec.repo,
+        "worktree": rec.worktree,
+        "branch": rec.branch.removeprefix("refs/heads/"),
+        "task_dir": rec.task_dir,
+        "workspace": str(opts.workspace.root),
+        "key_file": str(opts.workspace.key_file),
+        "lease": None
+        if lease is None
+        else {**encode(lease), "live": lease.expires_at > time.time()},
     }
     try:
         ref, stored = load_verified(opened, check_scenario=False)
     except CheckpointRejected as exc:
-        return {**out, "task_id": opened.task.id, "phase": "unknown", "stop_reason": None,
-                "checkpoint_error": str(exc), "head": None, "pending": None, "receipts": [], "verifier": None}
+        return {
+            **out,
+            "task_id": opened.task.id,
+            "phase": "unknown",
+            "stop_reason": None,
+            "checkpoint_error": str(exc),
+            "head": None,
+            "pending": None,
+            "receipts": [],
+            "verifier": None,
+        }
     s = stored.state
     return {
-        **out, "task_id": s.task_id, "phase": s.phase, "stop_reason": s.stop_reason,
-        "generation": s.generation, "checkpoint_ref": ref, "checkpoint": str(stored.oid),
-        "head": s.env.head, "instance_id": s.env.instance_id,
-        "pending": None if s.pending is None else {
-            "key": s.pending.key, "action": s.pending.action.summary(), "intent_digest": s.pending.intent_digest,
-            "risk": s.pending.risk, "approval": s.pending.approval},
+        **out,
+        "task_id": s.task_id,
+        "phase": s.phase,
+        "stop_reason": s.stop_reason,
+        "generation": s.generation,
+        "checkpoint_ref": ref,
+        "checkpoint": str(stored.oid),
+        "head": s.env.head,
+        "instance_id": s.env.instance_id,
+        "pending": None
+        if s.pending is None
+        else {
+            "key": s.pending.key,
+            "action": s.pending.action.summary(),
+            "intent_digest": s.pending.intent_digest,
+            "risk": s.pending.risk,
+            "approval": s.pending.approval,
+        },
         "receipts": [encode(r) for r in opened.env.receipts()],
         "verifier": None if s.verifier is None else encode(s.verifier),
-        "budgets": encode(s.budgets), "review": None if s.review is None else encode(s.review),
+        "budgets": encode(s.budgets),
+        "review": None if s.review is None else encode(s.review),
     }
 
 
@@ -324,7 +429,9 @@ def verify(run_id: str, opts: Options, task_dir: Path | None) -> Stored:
     return stored
 
 
-def approve(run_id: str, opts: Options, key_file: Path, ttl_seconds: float, note: str) -> tuple[RunState, Signed, str]:
+def approve(
+    run_id: str, opts: Options, key_file: Path, ttl_seconds: float, note: str
+) -> tuple[RunState, Signed, str]:
     """Sign an approval for the pending action and leave it for the runtime."""
     opened = open_run(run_id, opts)
     _, stored = load_verified(opened)
@@ -353,8 +460,12 @@ def review_case(run_id: str, opts: Options) -> tuple[RunState, str]:
     tree = base.tree if isinstance(base, pygit2.Commit) else opened.env.head().tree
     left = action_diff(opened.repo, case.action, tree)
     right = commit_diff(opened.repo, case.receipt.commit)
-    text = side_by_side(f"pending intent {case.pending_digest[:23]}", left,
-                        f"committed receipt {case.receipt.commit[:12]} {case.receipt_digest[:23]}", right)
+    text = side_by_side(
+        f"pending intent {case.pending_digest[:23]}",
+        left,
+        f"committed receipt {case.receipt.commit[:12]} {case.receipt_digest[:23]}",
+        right,
+    )
     return state, text
 
 
@@ -365,6 +476,8 @@ def review_decide(run_id: str, opts: Options, key_file: Path, decision: str) -> 
         raise BadInput(f"decision must be replan or abort, not {decision!r}")
     if stored.state.review is None:
         raise BadInput(f"run {run_id} is {stored.state.phase}; it has no open review case")
-    signed = sign_evidence(review_claims(stored.state, decision), key_file, "reviewer", REVIEW_DOMAIN)
+    signed = sign_evidence(
+        review_claims(stored.state, decision), key_file, "reviewer", REVIEW_DOMAIN
+    )
     submit(opened.repo, run_id, "review", signed)
     return signed

@@ -18,7 +18,9 @@ def action_diff(repo: pygit2.Repository, action: Action, tree: pygit2.Tree) -> s
     path = action.path or "?"
     old = trees.blob_bytes(repo, tree, path) if action.path else None
     old_lines = (old or b"").decode("utf-8", "replace").splitlines(keepends=True)
-    new_lines = [] if action.kind == "delete_file" else (action.content or "").splitlines(keepends=True)
+    new_lines = (
+        [] if action.kind == "delete_file" else (action.content or "").splitlines(keepends=True)
+    )
     return "".join(difflib.unified_diff(old_lines, new_lines, f"a/{path}", f"b/{path}"))
 
 

@@ -26,7 +26,10 @@ _SHAPE: dict[str, tuple[set[str], set[str]]] = {
     # table: (required keys, optional keys)
     "task": ({"id", "version"}, {"title"}),
     "initial": (set(), {"repo", "message", "path", "commit"}),
-    "policy": ({"id", "version", "allowed_actions", "write_allowlist"}, {"forbidden_paths", "risk"}),
+    "policy": (
+        {"id", "version", "allowed_actions", "write_allowlist"},
+        {"forbidden_paths", "risk"},
+    ),
     "verifier": ({"command", "fail_to_pass", "pass_to_pass"}, {"junit", "timeout_seconds"}),
     "budgets": ({"max_proposals", "max_steps", "max_wall_seconds"}, set()),
     "agent": (set(), {"plan"}),
@@ -90,7 +93,9 @@ class Task:
             "task": digest({"id": self.id, "version": self.version}),
             "policy": digest({"id": p.id, "version": p.version, "risk": encode(p.risk)}),
             "permissions": digest(list(p.allowed_actions)),
-            "allowlist": digest({"allow": list(p.write_allowlist), "forbid": list(p.forbidden_paths)}),
+            "allowlist": digest(
+                {"allow": list(p.write_allowlist), "forbid": list(p.forbidden_paths)}
+            ),
             "verifier": digest(self.verifier.to_json()),
             "budgets": digest(encode(self.budgets)),
             "initial": digest({"commit": base_commit, "tree": base_tree}),
@@ -118,14 +123,18 @@ def _table(doc: dict[str, Any], name: str, path: Path) -> dict[str, Any]:
         raise _fail(path, f"[{name}] must be a table")
     unknown = sorted(set(table) - required - optional)
     if unknown:
-        raise _fail(path, f"unknown field {name}.{unknown[0]}; allowed: {sorted(required | optional)}")
+        raise _fail(
+            path, f"unknown field {name}.{unknown[0]}; allowed: {sorted(required | optional)}"
+        )
     missing = sorted(required - set(table))
     if missing:
         raise _fail(path, f"missing field {name}.{missing[0]}")
     return table
 
 
-def _str(table: dict[str, Any], key: str, where: str, path: Path, default: str | None = None) -> str:
+def _str(
+    table: dict[str, Any], key: str, where: str, path: Path, default: str | None = None
+) -> str:
     value = table.get(key, default)
     if not isinstance(value, str) or not value:
         raise _fail(path, f"{where}.{key} must be a non-empty string")
@@ -191,7 +200,9 @@ def _policy(p: dict[str, Any], path: Path) -> Policy:
     actions = _strs(p, "allowed_actions", "policy", path)
     for kind in actions:
         if kind not in ACTION_KINDS:
-            raise _fail(path, f"policy.allowed_actions: unknown action {kind!r}; known: {ACTION_KINDS}")
+            raise _fail(
+                path, f"policy.allowed_actions: unknown action {kind!r}; known: {ACTION_KINDS}"
+            )
     risk = p.get("risk", [])
     if not isinstance(risk, list):
         raise _fail(path, "policy.risk must be an array of tables [[policy.risk]]")
@@ -265,7 +276,9 @@ def _initial(i: dict[str, Any], tdir: Path, path: Path) -> Initial:
         commit = _str(i, "commit", "initial", path)
         if not re.fullmatch(r"[0-9a-f]{40}", commit):
             raise _fail(path, "initial.commit must be a full 40-hex commit id")
-        return Initial(repo_dir=None, message=message, path=_str(i, "path", "initial", path), commit=commit)
+        return Initial(
+            repo_dir=None, message=message, path=_str(i, "path", "initial", path), commit=commit
+        )
     return Initial(repo_dir=None, message=message, path=None, commit=None)
 
 

@@ -105,7 +105,9 @@ def tree_from_dir(repo: pygit2.Repository, root: Path) -> pygit2.Oid:
     """A tree of every regular file under ``root`` (sorted, exec bit kept, no symlinks)."""
     changes: dict[str, Change] = {}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__", ".pytest_cache"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in (".git", "__pycache__", ".pytest_cache")
+        )
         for name in sorted(filenames):
             full = Path(dirpath) / name
             st = full.lstat()

@@ -23,7 +23,7 @@ def _bad(rule: str, message: str) -> InvalidState:
     return InvalidState(f"invalid state ({rule}): {message}", rule=rule)
 
 
-def validate_state(state: RunState) -> None:  # noqa: C901, PLR0912 - one line per invariant
+def validate_state(state: RunState) -> None:  # noqa: PLR0912 - one line per invariant
     """Raise :class:`InvalidState` naming the first invariant ``state`` breaks."""
     if state.schema != SCHEMA_VERSION:
         raise _bad("schema", f"schema {state.schema} is not {SCHEMA_VERSION}")

@@ -66,7 +66,9 @@ class Workspace:
     def __init__(self, root: Path | None = None, key_file: Path | None = None) -> None:
         self.root = (root or default_home()).expanduser().resolve()
         env_key = os.environ.get("GITRUN_KEY_FILE")
-        self.key_file = key_file or (Path(env_key) if env_key else self.root / "keys" / "checkpoint.keyring")
+        self.key_file = key_file or (
+            Path(env_key) if env_key else self.root / "keys" / "checkpoint.keyring"
+        )
 
     def worktree_path(self, run_id: str) -> Path:
         return self.root / "worktrees" / run_id
@@ -149,7 +151,11 @@ def user_repo(path: Path, commit: str | None) -> tuple[pygit2.Repository, pygit2
         raise BadInput(f"--repo {path}: a bare repository has no working tree to check")
     if repo.head_is_unborn:
         raise BadInput(f"--repo {path}: the repository has no commits yet; commit a base first")
-    dirty = {p for p, f in repo.status(untracked_files="no").items() if f != pygit2.enums.FileStatus.CURRENT}
+    dirty = {
+        p
+        for p, f in repo.status(untracked_files="no").items()
+        if f != pygit2.enums.FileStatus.CURRENT
+    }
     if dirty:
         more = f" and {len(dirty) - 1} more" if len(dirty) > 1 else ""
         raise BadInput(

@@ -6,7 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SANDBOXES = ROOT / "sandboxes"
 _ALL = sorted(p.name for p in SANDBOXES.iterdir() if (p / "task.toml").is_file())
 # Sandboxes whose policy has risk rules stop for a human's approval; the rest run unattended.
-RISKY_SANDBOXES = [n for n in _ALL if "[[policy.risk]]" in (SANDBOXES / n / "task.toml").read_text()]
+RISKY_SANDBOXES = [
+    n for n in _ALL if "[[policy.risk]]" in (SANDBOXES / n / "task.toml").read_text()
+]
 SANDBOX_NAMES = [n for n in _ALL if n not in RISKY_SANDBOXES]
 
 
@@ -74,15 +76,24 @@ class Gitrun:
 
     def __call__(self, *args: str, timeout: float = 120, **extra: str) -> Result:
         proc = subprocess.run(
-            self.argv(*args), capture_output=True, text=True, env=self.env(**extra),
-            timeout=timeout, check=False, cwd=self.home.parent,
+            self.argv(*args),
+            capture_output=True,
+            text=True,
+            env=self.env(**extra),
+            timeout=timeout,
+            check=False,
+            cwd=self.home.parent,
         )
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
     def popen(self, *args: str, **extra: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            self.argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=self.env(**extra), cwd=self.home.parent,
+            self.argv(*args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env(**extra),
+            cwd=self.home.parent,
         )
 
     def repo(self, task_id: str) -> Path:
@@ -97,7 +108,7 @@ def gitrun(tmp_path: Path) -> Gitrun:
 
 
 @pytest.fixture
-def sandbox_copy(tmp_path: Path) -> Iterator[object]:
+def sandbox_copy(tmp_path: Path) -> Callable[[str], Path]:
     """Copy a bundled sandbox somewhere a test may edit it."""
 
     def copy(name: str) -> Path:
@@ -105,12 +116,14 @@ def sandbox_copy(tmp_path: Path) -> Iterator[object]:
         shutil.copytree(SANDBOXES / name, dest)
         return dest
 
-    yield copy
+    return copy
 
 
 def git(repo: Path, *args: str, check: bool = True) -> str:
     """The real git CLI."""
-    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=False
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"git {' '.join(args)} failed: {proc.stderr}")
     return proc.stdout

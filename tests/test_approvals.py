@@ -111,14 +111,27 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
     base = tmp_path_factory.mktemp("keys")
     (base / "user").mkdir()
     made = Keys(base / "keys", base / "roots.json", base / "other-roots.json")
-    people = (("alice", "approver", made.roots), ("bob", "reviewer", made.roots),
-              ("mallory", "approver", made.other_roots))
+    people = (
+        ("alice", "approver", made.roots),
+        ("bob", "reviewer", made.roots),
+        ("mallory", "approver", made.other_roots),
+    )
     with pytest.MonkeyPatch.context() as mp:
         _scrub(mp, base / "user")
         cli = Gitrun(base)
         for name, role, roots in people:
-            res = cli("keys", "new", name, "--role", role, "--dir", str(made.dir),
-                      "--trust-roots", str(roots), **CLI_ENV)
+            res = cli(
+                "keys",
+                "new",
+                name,
+                "--role",
+                role,
+                "--dir",
+                str(made.dir),
+                "--trust-roots",
+                str(roots),
+                **CLI_ENV,
+            )
             assert res.code == 0, res.err
     return made
 
@@ -196,8 +209,10 @@ class Copy:
 
     def delete_commits(self) -> list[str]:
         """Write commits of the risky delete, as "<commit> delete_file <Gitrun-Approval>"."""
-        fmt = ("%H %(trailers:key=Gitrun-Action,valueonly,separator=%x2C)"
-               " %(trailers:key=Gitrun-Approval,valueonly,separator=%x2C)")
+        fmt = (
+            "%H %(trailers:key=Gitrun-Action,valueonly,separator=%x2C)"
+            " %(trailers:key=Gitrun-Approval,valueonly,separator=%x2C)"
+        )
         out = git(self.repo, "log", f"--format={fmt}", f"gitrun/{RUN}")
         return [line for line in out.splitlines() if " delete_file " in line]
 
@@ -309,8 +324,11 @@ def test_an_approved_risky_action_executes_once_with_the_approval_fingerprint_in
     assert done.used_nonces == (evidence.claims["nonce"],)
     assert ws.inbox() is None  # consumed
     events = [(e.kind, e.data) for s in ws.chain() for e in s.events]
-    accepted = {"fingerprint": fingerprint, "signer": evidence.signer,
-                "expires_at": evidence.claims["expires_at"]}
+    accepted = {
+        "fingerprint": fingerprint,
+        "signer": evidence.signer,
+        "expires_at": evidence.claims["expires_at"],
+    }
     assert ("approval", accepted) in events
 
     tip = ws.branch_tip()
@@ -491,13 +509,25 @@ def test_a_write_whose_commit_time_is_after_the_approval_expired_goes_to_review(
     env = ws.opened().env
     head = env.head()
     tree = trees.tree_with_changes(env.repo, head.tree, env.plan_changes(p.action, head.tree))
-    message = "\n".join([
-        "gitrun: delete_file units/legacy.py", "", "late", "",
-        f"Gitrun-Run: {RUN}", f"Gitrun-Task: {TASK}@1", "Gitrun-Action: delete_file",
-        f"Gitrun-Idempotency-Key: {p.key}", f"Gitrun-Intent-Digest: {p.intent_digest}",
-        f"Gitrun-Instance: {p.precondition.instance_id}", f"Gitrun-Lease: {state.lease_version}",
-        f"Gitrun-Approval: {evidence.fingerprint()}",
-    ]) + "\n"
+    message = (
+        "\n".join(
+            [
+                "gitrun: delete_file units/legacy.py",
+                "",
+                "late",
+                "",
+                f"Gitrun-Run: {RUN}",
+                f"Gitrun-Task: {TASK}@1",
+                "Gitrun-Action: delete_file",
+                f"Gitrun-Idempotency-Key: {p.key}",
+                f"Gitrun-Intent-Digest: {p.intent_digest}",
+                f"Gitrun-Instance: {p.precondition.instance_id}",
+                f"Gitrun-Lease: {state.lease_version}",
+                f"Gitrun-Approval: {evidence.fingerprint()}",
+            ]
+        )
+        + "\n"
+    )
     sig = pygit2.Signature("gitrun", "gitrun@localhost", late, 0)
     oid = env.repo.create_commit(None, sig, sig, message, tree, [head.id])
     gitstore.update_ref(env.repo, env.branch, head.id, oid)
@@ -522,22 +552,35 @@ def test_the_adapter_itself_refuses_to_commit_after_the_approval_expired(ws: Cop
     lease.acquire(state.generation)
     try:
         with pytest.raises(GateRejected) as expired:
-            env.execute(p.action, p.key, p.intent_digest, p.precondition, lease.fence,
-                        Approval("sha256:" + "0" * 64, time.time() - 1))
+            env.execute(
+                p.action,
+                p.key,
+                p.intent_digest,
+                p.precondition,
+                lease.fence,
+                Approval("sha256:" + "0" * 64, time.time() - 1),
+            )
         assert expired.value.rule == "approval-expired"
 
         # Valid when the write starts, expired by the time the branch lock is ours: the
         # check inside the ref transaction refuses the commit point itself.
         lock = gitstore._lock_path(gitstore.common_dir(env.repo), env.branch)
         lock.parent.mkdir(parents=True, exist_ok=True)
-        with subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock), "2.5"],
-                              stdout=subprocess.PIPE, text=True) as holder:
+        with subprocess.Popen(
+            [sys.executable, "-c", HOLD_LOCK, str(lock), "2.5"], stdout=subprocess.PIPE, text=True
+        ) as holder:
             try:
                 assert holder.stdout is not None
                 assert holder.stdout.readline().strip() == "locked"
                 with pytest.raises(GateRejected) as late:
-                    env.execute(p.action, p.key, p.intent_digest, p.precondition, lease.fence,
-                                Approval("sha256:" + "0" * 64, time.time() + 1.0))
+                    env.execute(
+                        p.action,
+                        p.key,
+                        p.intent_digest,
+                        p.precondition,
+                        lease.fence,
+                        Approval("sha256:" + "0" * 64, time.time() + 1.0),
+                    )
             finally:
                 holder.kill()
         assert late.value.rule == "approval-expired"
@@ -594,8 +637,9 @@ def test_an_approval_signed_by_a_key_outside_the_trust_roots_is_refused(ws: Copy
     _frozen_line(ws.resume(), "evidence refused (unknown-signer)")
     assert ws.tips() == tips
 
-    checked = ws.cli("approve", RUN, "--key", str(ws.keys["mallory"]),
-                     "--trust-roots", str(ws.keys.roots))
+    checked = ws.cli(
+        "approve", RUN, "--key", str(ws.keys["mallory"]), "--trust-roots", str(ws.keys.roots)
+    )
     _frozen_line(checked, "evidence refused (unknown-signer)")
 
 
@@ -644,8 +688,18 @@ def test_keys_new_keeps_the_private_key_owner_only_and_puts_only_the_public_half
     cli = Gitrun(tmp_path)
     roots = tmp_path / "roots.json"
     out_dir = str(tmp_path / "k")
-    res = cli("keys", "new", "carol", "--role", "approver", "--dir", out_dir,
-              "--trust-roots", str(roots), **CLI_ENV)
+    res = cli(
+        "keys",
+        "new",
+        "carol",
+        "--role",
+        "approver",
+        "--dir",
+        out_dir,
+        "--trust-roots",
+        str(roots),
+        **CLI_ENV,
+    )
     assert res.code == 0, res.err
     key = tmp_path / "k" / "carol.key"
     assert stat.S_IMODE(key.stat().st_mode) == 0o600

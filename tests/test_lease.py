@@ -190,7 +190,10 @@ def pausing_worker(
     marker, go = tmp_path / f"paused-{pause_at}", tmp_path / f"go-{pause_at}"
     proc = subprocess.Popen(
         [sys.executable, "-c", PAUSING_WORKER, pause_at, str(marker), str(go), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=gitrun.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=gitrun.env(),
         cwd=gitrun.home.parent,
     )
     return proc, marker, go
@@ -216,9 +219,7 @@ def audit(gitrun: Gitrun, run_id: str) -> Audit:
     refs = find_checkpoint_refs(opened.repo, run_id)
     assert len(refs) == 1, refs
     chain = list(reversed(opened.store.chain(refs[0])))  # every signature verified
-    intents = [
-        e.data["key"] for stored in chain for e in stored.state.events if e.kind == "intent"
-    ]
+    intents = [e.data["key"] for stored in chain for e in stored.state.events if e.kind == "intent"]
     repo = Path(opened.record.repo)
     fmt = (
         "%(trailers:key=Gitrun-Idempotency-Key,valueonly,separator=)|"
@@ -361,16 +362,35 @@ def test_resume_of_a_run_a_live_worker_owns_exits_at_once_naming_the_owner_and_e
 
 
 def _race(
-    gitrun: Gitrun, tmp_path: Path, reap: list[subprocess.Popen[str]], run_id: str,
-    *, mode: str, names: list[str], shared: str,
+    gitrun: Gitrun,
+    tmp_path: Path,
+    reap: list[subprocess.Popen[str]],
+    run_id: str,
+    *,
+    mode: str,
+    names: list[str],
+    shared: str,
 ) -> list[dict[str, Any]]:
     files = {w: (tmp_path / f"{w}.ready", tmp_path / f"{w}.out") for w in names}
     go = tmp_path / f"go-{names[0]}"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RACING_RECOVERER, run_id, w, mode, shared,
-             str(files[w][0]), str(go), str(files[w][1])],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=gitrun.env(),
+            [
+                sys.executable,
+                "-c",
+                RACING_RECOVERER,
+                run_id,
+                w,
+                mode,
+                shared,
+                str(files[w][0]),
+                str(go),
+                str(files[w][1]),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=gitrun.env(),
         )
         for w in names
     ]
@@ -423,7 +443,8 @@ def test_of_two_recoverers_holding_one_generation_one_advances_and_the_loser_lea
     assert {g: result.identities[g] for g in race_gens} == winners
     # Every loser did write its checkpoint object, and no ref reaches it.
     orphans = {
-        ident: oid for oid, raw in unreachable_commits(result.repo).items()
+        ident: oid
+        for oid, raw in unreachable_commits(result.repo).items()
         if (ident := checkpoint_identity(raw)) is not None
     }
     for n, loser in enumerate(losers):
@@ -452,9 +473,18 @@ def test_a_stopped_worker_whose_lease_was_taken_over_has_its_late_work_refused_a
     gitrun: Gitrun, tmp_path: Path, reap: list[subprocess.Popen[str]], pause_at: str
 ) -> None:
     a, marker, go = pausing_worker(
-        gitrun, tmp_path, pause_at,
-        "run", str(FIX_MEDIAN), "--run-id", "r", "-q", "--worker-id", "worker-a",
-        "--lease-seconds", "2",
+        gitrun,
+        tmp_path,
+        pause_at,
+        "run",
+        str(FIX_MEDIAN),
+        "--run-id",
+        "r",
+        "-q",
+        "--worker-id",
+        "worker-a",
+        "--lease-seconds",
+        "2",
     )
     reap.append(a)
     wait_until(marker.exists, f"worker A to reach {pause_at}")
@@ -506,7 +536,15 @@ def test_when_a_stopped_worker_dies_the_worker_that_took_over_its_lease_keeps_it
 ) -> None:
     task = slow_task(sandbox_copy)
     a = gitrun.popen(
-        "run", str(task), "--run-id", "r", "-q", "--worker-id", "worker-a", "--lease-seconds", "2",
+        "run",
+        str(task),
+        "--run-id",
+        "r",
+        "-q",
+        "--worker-id",
+        "worker-a",
+        "--lease-seconds",
+        "2",
         SLOW_TEST_SECONDS="4",
     )
     reap.append(a)
@@ -542,8 +580,16 @@ def test_a_resume_never_undoes_the_setup_of_a_run_a_live_worker_is_still_setting
     # A holds its lease, made the branch and worktree, and is inside its first
     # checkpoint's ref transaction: no checkpoint yet, the branch still at the base.
     a, marker, go = pausing_worker(
-        gitrun, tmp_path, "checkpoint_ref_locked",
-        "run", str(FIX_MEDIAN), "--run-id", "r", "-q", "--worker-id", "worker-a",
+        gitrun,
+        tmp_path,
+        "checkpoint_ref_locked",
+        "run",
+        str(FIX_MEDIAN),
+        "--run-id",
+        "r",
+        "-q",
+        "--worker-id",
+        "worker-a",
     )
     reap.append(a)
     wait_until(marker.exists, "worker A to be inside its first checkpoint")
@@ -636,7 +682,15 @@ def test_lease_renewal_keeps_a_verifier_longer_than_the_lease_owned(
 ) -> None:
     task = slow_task(sandbox_copy)
     a = gitrun.popen(
-        "run", str(task), "--run-id", "r", "-q", "--worker-id", "worker-a", "--lease-seconds", "2",
+        "run",
+        str(task),
+        "--run-id",
+        "r",
+        "-q",
+        "--worker-id",
+        "worker-a",
+        "--lease-seconds",
+        "2",
         SLOW_TEST_SECONDS="6",
     )
     reap.append(a)
@@ -677,7 +731,15 @@ def test_takeover_after_lets_a_second_worker_take_a_stopped_owners_lease_before_
 ) -> None:
     task = slow_task(sandbox_copy)
     a = gitrun.popen(
-        "run", str(task), "--run-id", "r", "-q", "--worker-id", "worker-a", "--lease-seconds", "10",
+        "run",
+        str(task),
+        "--run-id",
+        "r",
+        "-q",
+        "--worker-id",
+        "worker-a",
+        "--lease-seconds",
+        "10",
         SLOW_TEST_SECONDS="6",
     )
     reap.append(a)

@@ -94,7 +94,9 @@ def _stress(gitrun: Gitrun, workers: int, runs: int, budget: float) -> None:
     for sandbox in {s for s, _ in plan.values()}:
         fsck = subprocess.run(
             ["git", "-C", str(gitrun.repo(sandbox)), "fsck", "--strict", "--no-dangling"],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         assert fsck.returncode == 0, fsck.stderr
         refs = Path(gitrun.repo(sandbox), ".git", "refs")

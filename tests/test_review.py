@@ -53,8 +53,12 @@ RUN = "rv"
 TASK = "fix-median"
 KILLED = -9  # a child killed by GITRUN_CRASH_AT (SIGKILL)
 CLI_ENV = {"PYTHONOPTIMIZE": "1"} if sys.flags.optimize else {}
-CONFLICT = Action("write_file", path="stats/notes.txt", content="not the fix\n",
-                  description="another intent under the same key")
+CONFLICT = Action(
+    "write_file",
+    path="stats/notes.txt",
+    content="not the fix\n",
+    description="another intent under the same key",
+)
 SAME_KEY = "needs review (same idempotency key, different intent digest)"
 
 
@@ -134,8 +138,14 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
     cli = Gitrun(home)
     with pytest.MonkeyPatch.context() as mp:
         _scrub(mp, base / "user")
-        crashed = cli("run", str(SANDBOXES / TASK), "--run-id", RUN,
-                      GITRUN_CRASH_AT="after_intent_checkpoint", **CLI_ENV)
+        crashed = cli(
+            "run",
+            str(SANDBOXES / TASK),
+            "--run-id",
+            RUN,
+            GITRUN_CRASH_AT="after_intent_checkpoint",
+            **CLI_ENV,
+        )
         conflict = _intrude(home, CONFLICT)
         resumed = cli("resume", RUN, "--trust-roots", str(keys.roots), **CLI_ENV)
     return Template(home, keys, crashed, resumed, conflict)
@@ -177,8 +187,10 @@ class Copy:
 
     def tips(self) -> tuple[str, str]:
         ref, _ = service.load_verified(self.opened())
-        return (git(self.repo, "rev-parse", ref).strip(),
-                git(self.repo, "rev-parse", f"refs/heads/gitrun/{RUN}").strip())
+        return (
+            git(self.repo, "rev-parse", ref).strip(),
+            git(self.repo, "rev-parse", f"refs/heads/gitrun/{RUN}").strip(),
+        )
 
     def keys_in_history(self) -> list[str]:
         fmt = "%(trailers:key=Gitrun-Idempotency-Key,valueonly)"
@@ -221,8 +233,18 @@ def _runtime(ws: Copy) -> Iterator[Runtime]:
     lease = LeaseManager(opened.repo, RUN, "in-process", 30)
     lease.acquire(stored.state.generation)
     try:
-        yield Runtime(opened.task, opened.env, opened.store, ref, lease, agent,
-                      replace(stored.state, events=()), stored.oid, lambda _: None, opts.approvals)
+        yield Runtime(
+            opened.task,
+            opened.env,
+            opened.store,
+            ref,
+            lease,
+            agent,
+            replace(stored.state, events=()),
+            stored.oid,
+            lambda _: None,
+            opts.approvals,
+        )
     finally:
         lease.release()
 
@@ -346,8 +368,10 @@ def test_review_show_prints_both_digests_and_both_diffs(ws: Copy) -> None:
     assert "+++ b/stats/notes.txt" in out
     assert "+not the fix" in out
     rows = [line for line in out.splitlines() if " | " in line]
-    assert any("stats/median.py" in row.split(" | ")[0] and "stats/notes.txt" in row.split(" | ")[1]
-               for row in rows), out
+    assert any(
+        "stats/median.py" in row.split(" | ")[0] and "stats/notes.txt" in row.split(" | ")[1]
+        for row in rows
+    ), out
     assert f"gitrun review decide {RUN} --key REVIEWER.key replan|abort" in out
 
 
@@ -383,14 +407,22 @@ def test_a_tampered_decision_keeps_the_run_frozen(ws: Copy, part: str) -> None:
 
 @pytest.mark.parametrize(
     "field",
-    ["run_id", "key", "pending_digest", "receipt_digest", "receipt_fingerprint",
-     "environment_version", "action"],
+    [
+        "run_id",
+        "key",
+        "pending_digest",
+        "receipt_digest",
+        "receipt_fingerprint",
+        "environment_version",
+        "action",
+    ],
 )
 def test_a_decision_bound_to_another_run_key_or_digest_keeps_the_run_frozen(
     ws: Copy, field: str
 ) -> None:
     other = {
-        "run_id": "another-run", "key": new_key(),
+        "run_id": "another-run",
+        "key": new_key(),
         "pending_digest": Action("delete_file", path="stats/median.py").intent_digest(),
         "receipt_digest": Action("delete_file", path="stats/notes.txt").intent_digest(),
         "receipt_fingerprint": digest(["another receipt"]),
@@ -423,8 +455,9 @@ def test_a_decision_signed_before_the_receipt_changed_keeps_the_run_frozen(
     old = env.head()
     key = old.message_trailers["Gitrun-Idempotency-Key"]
     message = old.message.replace("gitrun: write_file", "gitrun: write_file (reworded)", 1)
-    new = env.repo.create_commit(None, old.author, old.committer, message, old.tree_id,
-                                 [old.parents[0].id])
+    new = env.repo.create_commit(
+        None, old.author, old.committer, message, old.tree_id, [old.parents[0].id]
+    )
     gitstore.update_ref(env.repo, env.branch, old.id, new)
     if index == "moved along":
         gitstore.update_ref(env.repo, index_ref(RUN, key), old.id, new)
