@@ -81,8 +81,7 @@ class CheckpointStore:
         An invalid state raises :class:`InvalidState` before any object is written.
         A lost race raises :class:`CasFailed`; nothing of the loser is visible.
         """
-        validate_state(state)
-        payload = canonical_bytes(encode(state))
+        payload = validate_state(state)
         parent = str(expected) if expected is not None else ""
         key_id, mac = self.keyring.sign(_signed_bytes(ref, parent, payload))
         message = _message(state, payload, key_id, mac)

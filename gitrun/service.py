@@ -203,6 +203,13 @@ def open_run(run_id: str, opts: Options, task_dir: Path | None = None) -> Opened
 
 
 def _the_ref(opened: Opened) -> str | None:
+    """The run's checkpoint ref: read by name (cheap), else found by a scan."""
+    try:
+        direct = checkpoint_ref(opened.record.run_id, opened.task.id, opened.env.instance_id())
+    except GitrunError:
+        direct = None
+    if direct is not None and gitstore.read_ref(opened.repo, direct) is not None:
+        return direct
     refs = find_checkpoint_refs(opened.repo, opened.record.run_id)
     if len(refs) > 1:
         raise CheckpointRejected(

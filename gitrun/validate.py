@@ -23,8 +23,9 @@ def _bad(rule: str, message: str) -> InvalidState:
     return InvalidState(f"invalid state ({rule}): {message}", rule=rule)
 
 
-def validate_state(state: RunState) -> None:  # noqa: PLR0912 - one line per invariant
-    """Raise :class:`InvalidState` naming the first invariant ``state`` breaks."""
+def validate_state(state: RunState) -> bytes:  # noqa: PLR0912 - one line per invariant
+    """Raise :class:`InvalidState` naming the first invariant ``state`` breaks; return the
+    canonical bytes of a valid state (the payload a checkpoint stores)."""
     if state.schema != SCHEMA_VERSION:
         raise _bad("schema", f"schema {state.schema} is not {SCHEMA_VERSION}")
     if state.generation < 1:
@@ -71,6 +72,6 @@ def validate_state(state: RunState) -> None:  # noqa: PLR0912 - one line per inv
     if state.env.observation_version != state.env.head:
         raise _bad("observation", "observation version must be the HEAD commit")
     try:
-        canonical_bytes(encode(state))
+        return canonical_bytes(encode(state))
     except (TypeError, ValueError) as exc:
         raise _bad("serialisable", str(exc)) from exc
