@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pygit2
-from pygit2.enums import FileMode
+from pygit2.enums import FileMode, FileStatus
 
 from gitrun import faults, gitstore, trees
 from gitrun.codec import digest
@@ -36,6 +36,7 @@ from gitrun.patch import apply_file_patch, parse_patch
 from gitrun.records import ADAPTER_NAMESPACE_PREFIX, ADAPTER_VERSION, Action, Precondition, Receipt
 
 INSTANCE_FILE = "gitrun-instance.json"
+INDEX_BASE_FILE = "gitrun-index-base"  # the commit the worktree's index was last synced to
 AUTHOR = ("gitrun", "gitrun@localhost")
 
 TRAILERS = (
@@ -119,6 +120,7 @@ class Environment:
         repo.add_worktree(f"gitrun-{run_id}", str(worktree), ref)
         env = cls(repo, run_id, worktree, task_label)
         gitdir = Path(env.wt.path)
+        (gitdir / INDEX_BASE_FILE).write_text(str(base))  # add_worktree checked out base
         record = {"instance_id": str(uuid.uuid4()), "worktree": str(worktree.resolve())}
         tmp = gitdir / (INSTANCE_FILE + ".tmp")
         tmp.write_text(json.dumps(record))
@@ -177,7 +179,7 @@ class Environment:
         dirty: tuple[str, ...] = ()
         status = CLEAN_STATUS
         if full:
-            entries = sorted(self.wt.status(untracked_files="all", ignored=False).items())
+            entries = self.status()
             dirty = tuple(path for path, _ in entries)
             status = digest([[p, int(f)] for p, f in entries]) if entries else CLEAN_STATUS
         return Observation(instance, str(head.id), str(head.tree_id), status, dirty)
@@ -446,9 +448,11 @@ class Environment:
     def sync_files(
         self, old: pygit2.Tree, new: pygit2.Tree, changes: dict[str, trees.Change]
     ) -> None:
-        """Make the worktree files and index match ``new`` for the changed paths."""
-        index = self.wt.index
-        index.read(force=False)
+        """Make the worktree files match ``new`` for the changed paths.
+
+        The worktree's index is not rewritten here: that costs O(files in the repo) per
+        step. :meth:`sync_index` brings it up to HEAD before anything reads status.
+        """
         for n, path in enumerate(sorted(changes)):
             target = self.worktree / path
             obj = trees.entry(new, path)
@@ -459,16 +463,79 @@ class Environment:
                 mode = trees.entry_mode(new, path)
                 os.chmod(tmp, 0o755 if mode == trees.EXEC else 0o644)
                 os.replace(tmp, target)
-                self._index_add(index, path, obj.id, mode or trees.BLOB)
             else:
                 target.unlink(missing_ok=True)
                 _prune_empty_dirs(target.parent, self.worktree)
-                if path in index:
-                    index.remove(path)
             if n == 0:
                 faults.point("mid_file_sync")
-        index.write()
         del old
+
+    def _index_base(self) -> pygit2.Commit | None:
+        base_file = Path(self.wt.path) / INDEX_BASE_FILE
+        base = base_file.read_text().strip() if base_file.is_file() else ""
+        commit = self.repo.get(base) if base else None
+        return commit if isinstance(commit, pygit2.Commit) else None
+
+    def status(self) -> list[tuple[str, int]]:
+        """``git status`` of the worktree against HEAD, sorted, without writing anything.
+
+        For paths the steps changed since the index was last synced, libgit2's answer
+        compares against a stale index, so those are judged directly: a file is clean
+        exactly when its bytes on disk are HEAD's (absent when HEAD has none).
+        """
+        head = self.head()
+        raw = self.wt.status(untracked_files="all", ignored=False)
+        base = self._index_base()
+        if base is None or base.id == head.id:
+            if base is None and raw:
+                self.sync_index()  # no record of the index: rebuild it, then ask again
+                raw = self.wt.status(untracked_files="all", ignored=False)
+            return sorted((p, int(f)) for p, f in raw.items())
+        lagging = trees.changed_paths(base.tree, head.tree)
+        out = []
+        for path, flags in raw.items():
+            if path not in lagging:
+                out.append((path, int(flags)))
+                continue
+            on_disk = self.worktree / path
+            data = on_disk.read_bytes() if is_regular(on_disk) else None
+            if data != trees.blob_bytes(self.repo, head.tree, path):
+                out.append((path, int(FileStatus.WT_MODIFIED)))
+        return sorted(out)
+
+    def sync_index(self) -> None:
+        """Bring the worktree's index up to HEAD for the paths changed since it was last
+        written (recorded in the worktree's git dir). A file whose content on disk is
+        HEAD's is staged with its stat data; any other is staged as HEAD's blob, so
+        ``git status`` shows the difference instead of hiding it."""
+        head = self.head()
+        base_file = Path(self.wt.path) / INDEX_BASE_FILE
+        base = base_file.read_text().strip() if base_file.is_file() else ""
+        if base == str(head.id):
+            return
+        index = self.wt.index
+        index.read(force=False)
+        base_commit = self.repo.get(base) if base else None
+        paths: set[str] = set()
+        if isinstance(base_commit, pygit2.Commit):
+            paths = trees.changed_paths(base_commit.tree, head.tree)
+        else:
+            index.read_tree(head.tree)  # no record of the index: rebuild it from HEAD
+        for path in sorted(paths):
+            obj = trees.entry(head.tree, path)
+            if isinstance(obj, pygit2.Blob):
+                mode = trees.entry_mode(head.tree, path) or trees.BLOB
+                on_disk = self.worktree / path
+                if is_regular(on_disk) and on_disk.read_bytes() == obj.data:
+                    self._index_add(index, path, obj.id, mode)
+                else:
+                    index.add(pygit2.IndexEntry(path, obj.id, FileMode(mode)))
+            elif path in index:
+                index.remove(path)
+        index.write()
+        tmp = base_file.with_name(INDEX_BASE_FILE + ".tmp")
+        tmp.write_text(str(head.id))
+        os.replace(tmp, base_file)
 
     @staticmethod
     def _index_add(index: pygit2.Index, path: str, oid: pygit2.Oid, mode: int) -> None:
@@ -487,7 +554,7 @@ class Environment:
         ``check_only`` it refuses the same way but touches nothing.
         """
         head = self.head()
-        status = self.wt.status(untracked_files="all", ignored=False)
+        status = dict(self.status())
         if not status:
             return False
         if self.receipt_of_trailers_only(head) is None or len(head.parents) != 1:

@@ -87,12 +87,21 @@ class Runtime:
     # -- the loop ----------------------------------------------------------------------
 
     def run(self) -> RunState:
-        """Step until done, failed, or frozen (raises :class:`Frozen`)."""
-        while self.state.phase == RUNNING:
-            if self.state.pending is not None:
-                self.execute_pending()
-            else:
-                self.step()
+        """Step until done, failed, or frozen (raises :class:`Frozen`).
+
+        Steps leave the worktree's index behind HEAD (rewriting it costs O(files) per
+        step); it is brought up to date here, so a stopped run looks clean to plain git.
+        """
+        try:
+            while self.state.phase == RUNNING:
+                if self.state.pending is not None:
+                    self.execute_pending()
+                else:
+                    self.step()
+        except Frozen:
+            self.env.sync_index()
+            raise
+        self.env.sync_index()
         if self.state.phase in (AWAITING_APPROVAL, NEEDS_REVIEW):
             raise Frozen(self.frozen_message())
         return self.state
