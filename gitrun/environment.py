@@ -532,7 +532,11 @@ class Environment:
                     index.add(pygit2.IndexEntry(path, obj.id, FileMode(mode)))
             elif path in index:
                 index.remove(path)
-        index.write()
+        # Written under the index file's OS lock, as a ref is: an index.lock left by a
+        # gitrun killed while writing it is then provably stale, and removed first.
+        name = (Path(self.wt.path) / "index").resolve().relative_to(gitstore.common_dir(self.repo))
+        with gitstore.os_locks(self.repo, [str(name)]):
+            index.write()
         tmp = base_file.with_name(INDEX_BASE_FILE + ".tmp")
         tmp.write_text(str(head.id))
         os.replace(tmp, base_file)

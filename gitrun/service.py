@@ -235,20 +235,12 @@ def load_verified(opened: Opened, *, check_scenario: bool = True) -> tuple[str, 
 def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState:
     """Verify the checkpoint, take the lease, reconcile the environment, carry on."""
     opened = open_run(run_id, opts, task_dir)
-    record, task, repo = opened.record, opened.task, opened.repo
+    record, task = opened.record, opened.task
     agent, _ = load_agent(record.agent, task)
     if _the_ref(opened) is None and _never_started(opened):
-        # The setup may be a live worker's, still under way: own the run before undoing it.
-        lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
-        lease.acquire(0, opts.takeover_after)
-        if _the_ref(opened) is None and _never_started(opened):
-            try:
-                _discard_setup(opened)
-            except BaseException:
-                _release(lease)
-                raise
-            return _setup_and_run(record, task, repo, agent, opened.store, opts, lease=lease)
-        _release(lease)  # its owner reached the first checkpoint after all: resume that
+        restarted = _restart_setup(opened, agent, opts)
+        if restarted is not None:
+            return restarted
     ref, stored = load_verified(opened)
     state = stored.state
     if state.agent != agent.identity:
@@ -259,28 +251,16 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     approvals.require_roots(state)
     if state.phase in TERMINAL:
         _clear_stale_locks(opened)  # e.g. the lease's, if the finished run died releasing it
+        if opened.env.worktree.exists():
+            opened.env.sync_index()  # killed after its last checkpoint, before the index sync
         return state
-    lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
+    lease = LeaseManager(opened.repo, record.run_id, opts.worker, opts.lease_seconds)
     try:
         # Ownership, then every refusal, before anything is written: a refused resume
         # changes nothing, not even the lease (reconcile runs again under the lease).
         lease.check_takeable(opts.takeover_after)
         if state.phase != NEEDS_REVIEW:
-            reconcile(
-                Runtime(
-                    task,
-                    opened.env,
-                    opened.store,
-                    ref,
-                    lease,
-                    agent,
-                    state,
-                    stored.oid,
-                    opts.say,
-                    approvals,
-                ),
-                apply=False,
-            )
+            reconcile(_runtime(opened, ref, stored, lease, agent, opts), apply=False)
     except GitrunError:
         _release(lease)
         raise
@@ -289,35 +269,67 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
         # The previous owner may have advanced (or finished) the run between our first
         # read and our lease: continue only from the checkpoint read under the lease.
         ref, stored = load_verified(opened)
-        state = stored.state
-        approvals.require_roots(state)
-        if state.phase in TERMINAL:
-            return state
-        # The loaded checkpoint's events are already in the chain: do not carry them on.
-        rt = Runtime(
-            task,
-            opened.env,
-            opened.store,
-            ref,
-            lease,
-            agent,
-            replace(state, events=()),
-            stored.oid,
-            opts.say,
-            approvals,
-        )
-        if state.phase == NEEDS_REVIEW:
-            if not approvals.intake_review(rt):
-                raise Frozen(rt.frozen_message())
-            what = f"review decision applied ({rt.state.phase})"
-        else:
-            what = reconcile(rt)
-            if rt.state.phase == AWAITING_APPROVAL and approvals.intake_approval(rt):
-                what += ", fresh approval taken in"
-        opts.say(f"resume {record.run_id} at generation {state.generation}: {what}")
-        return _drive(rt)
+        approvals.require_roots(stored.state)
+        if stored.state.phase in TERMINAL:
+            return stored.state
+        return _continue(_runtime(opened, ref, stored, lease, agent, opts), opts)
     finally:
         _release(lease)
+
+
+def _runtime(
+    opened: Opened, ref: str, stored: Stored, lease: LeaseManager, agent: ScriptAgent, opts: Options
+) -> Runtime:
+    """A runtime on the verified checkpoint. Its events are already in the chain: the
+    next checkpoint starts a new batch."""
+    return Runtime(
+        opened.task,
+        opened.env,
+        opened.store,
+        ref,
+        lease,
+        agent,
+        replace(stored.state, events=()),
+        stored.oid,
+        opts.say,
+        opts.approvals,
+    )
+
+
+def _continue(rt: Runtime, opts: Options) -> RunState:
+    """Take in waiting evidence or reconcile, then drive the run on."""
+    approvals = rt.approvals
+    generation = rt.state.generation
+    if rt.state.phase == NEEDS_REVIEW:
+        if not approvals.intake_review(rt):
+            raise Frozen(rt.frozen_message())
+        what = f"review decision applied ({rt.state.phase})"
+    else:
+        what = reconcile(rt)
+        if rt.state.phase == AWAITING_APPROVAL and approvals.intake_approval(rt):
+            what += ", fresh approval taken in"
+    opts.say(f"resume {rt.state.run_id} at generation {generation}: {what}")
+    return _drive(rt)
+
+
+def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunState | None:
+    """A run that died before its first checkpoint: start its setup again, once we own it.
+
+    The setup may be a live worker's, still under way: own the run before undoing it.
+    None when its owner reached the first checkpoint after all (resume that instead).
+    """
+    record = opened.record
+    lease = LeaseManager(opened.repo, record.run_id, opts.worker, opts.lease_seconds)
+    lease.acquire(0, opts.takeover_after)
+    if _the_ref(opened) is not None or not _never_started(opened):
+        _release(lease)
+        return None
+    try:
+        _discard_setup(opened)
+    except BaseException:
+        _release(lease)
+        raise
+    return _setup_and_run(record, opened.task, opened.repo, agent, opened.store, opts, lease=lease)
 
 
 def _never_started(opened: Opened) -> bool:
