@@ -77,14 +77,8 @@ def state_fingerprint(pending: Pending) -> str:
     return digest([pre.instance_id, pre.head, pre.tree])
 
 
-def approval_claims(state: RunState, approver_note: str, ttl_seconds: float) -> dict[str, Any]:
-    """What ``gitrun approve`` signs for the checkpoint's pending action."""
-    p = state.pending
-    if p is None or state.phase != AWAITING_APPROVAL:
-        raise GitrunError(
-            f"run {state.run_id} has no action waiting for approval (phase {state.phase})"
-        )
-    now = time.time()
+def approval_binding(state: RunState, p: Pending) -> dict[str, Any]:
+    """Everything an approval binds: the run, the exact action and the state it meets."""
     return {
         "kind": "approval",
         "task_id": state.task_id,
@@ -98,6 +92,19 @@ def approval_claims(state: RunState, approver_note: str, ttl_seconds: float) -> 
         "instance_id": state.env.instance_id,
         "state_fingerprint": state_fingerprint(p),
         "generation": state.generation,
+    }
+
+
+def approval_claims(state: RunState, approver_note: str, ttl_seconds: float) -> dict[str, Any]:
+    """What ``gitrun approve`` signs for the checkpoint's pending action."""
+    p = state.pending
+    if p is None or state.phase != AWAITING_APPROVAL:
+        raise GitrunError(
+            f"run {state.run_id} has no action waiting for approval (phase {state.phase})"
+        )
+    now = time.time()
+    return {
+        **approval_binding(state, p),
         "issued_at": now,
         "expires_at": now + ttl_seconds,
         "nonce": secrets.token_hex(16),
@@ -186,21 +193,7 @@ class Approvals:
             raise ApprovalRefused("nothing-pending", "no pending action to approve")
         if claims.get("nonce") in state.used_nonces:
             raise ApprovalRefused("nonce-reused", f"nonce {claims.get('nonce')} was already used")
-        expected = {
-            "kind": "approval",
-            "task_id": state.task_id,
-            "task_version": state.task_version,
-            "run_id": state.run_id,
-            "policy_id": state.policy_id,
-            "policy_version": state.policy_version,
-            "action": digest(encode(p.action)),
-            "key": p.key,
-            "intent_digest": p.intent_digest,
-            "instance_id": state.env.instance_id,
-            "state_fingerprint": state_fingerprint(p),
-            "generation": state.generation,
-        }
-        wrong = _mismatch(claims, expected)
+        wrong = _mismatch(claims, approval_binding(state, p))
         if wrong:
             raise ApprovalRefused("binding", f"the approval is bound to another {', '.join(wrong)}")
         expires = claims.get("expires_at")

@@ -303,7 +303,7 @@ class Runtime:
             self.task.verifier,
             self.env.worktree,
             heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
-            progress=self.say,
+            progress=_every(5.0, self.say),
             # several heartbeats per lease, so even a 1 s lease is renewed before it expires
             heartbeat_interval=min(1.0, self.lease.duration / 4),
         )
@@ -329,6 +329,19 @@ class Runtime:
             replace(s, phase=phase, stop_reason=reason, verifier=event, env=env).with_events(trace)
         )
         self.say(f"verifier: {result.summary}")
+
+
+def _every(seconds: float, say: Say) -> Say:
+    """``say``, but at most once per ``seconds`` (progress of a long test run)."""
+    last = [time.monotonic()]
+
+    def throttled(line: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= seconds:
+            last[0] = now
+            say(line)
+
+    return throttled
 
 
 def initial_state(
