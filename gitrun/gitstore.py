@@ -8,8 +8,11 @@ Every durable change gitrun makes ends in :func:`update_ref`, which
 2. removes such stale ref lock files, but only once they are older than a grace
    period, so a foreign ``git`` process that holds a lock for a few milliseconds is
    never disturbed;
-3. opens one libgit2 ref transaction, locks every ref (the one it moves and those it
-   only fences on), re-reads them under the lock, compares, then moves exactly one ref.
+3. opens one libgit2 ref transaction, locks the ref it moves, re-reads it and every ref
+   it only fences on (the lease), compares, then moves exactly one ref. A fencing ref is
+   re-read under its OS lock, which every gitrun writer of that ref holds while it
+   writes, so it cannot change in between; its git lock file is not taken (that would
+   cost a file create and unlink on every step and protect only against foreign git).
 
 Only one ref moves per call: multi-ref transactions are not crash-atomic on the files
 backend, so each step has exactly one commit point and everything else is derived.
@@ -78,7 +81,7 @@ def read_ref(repo: pygit2.Repository, name: str) -> pygit2.Oid | None:
 
 @dataclass(frozen=True)
 class Guard:
-    """A ref locked and re-read inside the transaction but not changed (fencing)."""
+    """A ref re-read under its OS lock inside the transaction but not changed (fencing)."""
 
     name: str
     check: Callable[[pygit2.Oid | None], None]
@@ -198,8 +201,7 @@ def _transact(
     crash_prefix: str,
 ) -> None:
     with repo.transaction() as tx:
-        for ref in sorted({name, *(g.name for g in guards)}):
-            tx.lock_ref(ref)
+        tx.lock_ref(name)
         if crash_prefix:
             faults.point(f"{crash_prefix}_locked")
         for guard in guards:
