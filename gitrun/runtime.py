@@ -43,6 +43,7 @@ from gitrun.task import Task
 from gitrun.verifier import run_verifier
 
 Say = Callable[[str], None]
+INDEX_SYNC_EVERY = 32  # writes between two syncs of the worktree's index (O(files) each)
 
 
 @dataclass
@@ -261,6 +262,10 @@ class Runtime:
         )
         how = "reconciled" if replayed else "committed"
         self.say(f"{how} {receipt.commit[:12]} for {receipt.key}")
+        if self.state.env.adapter_generation % INDEX_SYNC_EVERY == 0:
+            # Bound how far the worktree's index lags, so a full observation (resume,
+            # verify) never does work that grows with the length of the run.
+            self.env.sync_index()
 
     def open_review(self, receipt: Receipt, reason: str) -> None:
         s = self.state
