@@ -35,24 +35,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def hermetic_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def scrub_env(mp: pytest.MonkeyPatch, home: Path) -> None:
     """No user or system git config leaks in; a fixed identity for the git CLI."""
     for name in list(os.environ):
         if name.startswith(("GIT_", "GITRUN_")):
-            monkeypatch.delenv(name)
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    monkeypatch.setenv("GIT_AUTHOR_NAME", "Test")
-    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "test@example.invalid")
-    monkeypatch.setenv("GIT_COMMITTER_NAME", "Test")
-    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "test@example.invalid")
+            mp.delenv(name)
+    home.mkdir(parents=True, exist_ok=True)
+    mp.setenv("HOME", str(home))
+    mp.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    mp.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    mp.setenv("GIT_AUTHOR_NAME", "Test")
+    mp.setenv("GIT_AUTHOR_EMAIL", "test@example.invalid")
+    mp.setenv("GIT_COMMITTER_NAME", "Test")
+    mp.setenv("GIT_COMMITTER_EMAIL", "test@example.invalid")
     # The sandboxes' verifier runs pytest: plugins installed beside gitrun for other
     # purposes (benchmark peers bring some) must not slow every verifier run down.
-    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    mp.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+@pytest.fixture(autouse=True)
+def hermetic_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test: a private HOME and no git configuration from outside."""
+    scrub_env(monkeypatch, tmp_path / "home")
+
+
+def relocate_workspace(src: Path, dest: Path) -> None:
+    """Copy a workspace; rewrite the absolute paths git and the registry keep of it."""
+    shutil.copytree(src, dest, symlinks=True)
+    old, new = str(src).encode(), str(dest).encode()
+    for path in dest.rglob("*"):
+        if not path.is_file() or path.is_symlink() or "objects" in path.parts:
+            continue
+        data = path.read_bytes()
+        if old in data:
+            path.write_bytes(data.replace(old, new))
 
 
 @dataclass

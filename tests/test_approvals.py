@@ -28,7 +28,7 @@ from typing import Any
 
 import pygit2
 import pytest
-from conftest import SANDBOXES, Gitrun, Result, git, snapshot
+from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, scrub_env, snapshot
 
 from gitrun import gitstore, service, trees
 from gitrun.approvals import Approvals, approval_claims, inbox_ref, submit
@@ -64,29 +64,6 @@ HOLD_LOCK = (
 # -- the frozen run every test copies ----------------------------------------------------
 
 
-def _scrub(mp: pytest.MonkeyPatch, home: Path) -> None:
-    """The module-scoped twin of conftest's hermetic_git (that one is per test)."""
-    for name in list(os.environ):
-        if name.startswith(("GIT_", "GITRUN_")):
-            mp.delenv(name)
-    mp.setenv("HOME", str(home))
-    mp.setenv("XDG_CONFIG_HOME", str(home / ".config"))
-    mp.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    mp.setenv("PYTHONDONTWRITEBYTECODE", "1")
-
-
-def _relocate(src: Path, dest: Path) -> None:
-    """Copy a workspace; rewrite the absolute paths git and the registry keep of it."""
-    shutil.copytree(src, dest, symlinks=True)
-    old, new = str(src).encode(), str(dest).encode()
-    for path in dest.rglob("*"):
-        if not path.is_file() or path.is_symlink() or "objects" in path.parts:
-            continue
-        data = path.read_bytes()
-        if old in data:
-            path.write_bytes(data.replace(old, new))
-
-
 @dataclass(frozen=True)
 class Keys:
     """alice approves, bob reviews (both trusted); mallory approves in another trust root."""
@@ -117,7 +94,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
         ("mallory", "approver", made.other_roots),
     )
     with pytest.MonkeyPatch.context() as mp:
-        _scrub(mp, base / "user")
+        scrub_env(mp, base / "user")
         cli = Gitrun(base)
         for name, role, roots in people:
             res = cli(
@@ -144,7 +121,7 @@ def frozen(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> Template:
     home.mkdir()
     (base / "user").mkdir()
     with pytest.MonkeyPatch.context() as mp:
-        _scrub(mp, base / "user")
+        scrub_env(mp, base / "user")
         res = Gitrun(home)("run", str(SANDBOXES / TASK), "--run-id", RUN, **CLI_ENV)
     assert res.code == Exit.FROZEN, res.err
     return Template(home, keys, res)
@@ -238,7 +215,7 @@ class Copy:
 @pytest.fixture
 def ws(frozen: Template, tmp_path: Path) -> Copy:
     home = tmp_path / "ws-home"
-    _relocate(frozen.home, home)
+    relocate_workspace(frozen.home, home)
     return Copy(home, frozen.keys)
 
 
@@ -394,9 +371,9 @@ def expired_template(frozen: Template, tmp_path_factory: pytest.TempPathFactory)
     base = tmp_path_factory.mktemp("expired-run")
     (base / "user").mkdir()
     ws = Copy(base / "home", frozen.keys)
-    _relocate(frozen.home, ws.home)
+    relocate_workspace(frozen.home, ws.home)
     with pytest.MonkeyPatch.context() as mp:
-        _scrub(mp, base / "user")
+        scrub_env(mp, base / "user")
         fingerprint = ws.approved(ttl=TTL)
         crashed = ws.resume(GITRUN_CRASH_AT="checkpoint_ref_moved")  # right after the intake
     assert crashed.code == KILLED, crashed.err
@@ -413,7 +390,7 @@ def expired_template(frozen: Template, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture
 def expired(expired_template: Expired, tmp_path: Path) -> Expired:
     home = tmp_path / "ws-home"
-    _relocate(expired_template.ws.home, home)
+    relocate_workspace(expired_template.ws.home, home)
     return Expired(Copy(home, expired_template.ws.keys), expired_template.evidence)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import pygit2
 import pytest
-from conftest import SANDBOXES, Gitrun, Result, git, snapshot
+from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, scrub_env, snapshot
 
 from gitrun import gitstore
 from gitrun.checkpoint import (
@@ -80,17 +80,6 @@ class Template:
     run: Result
 
 
-def _scrub(mp: pytest.MonkeyPatch, home: Path) -> None:
-    """The module-scoped twin of conftest's hermetic_git (that one is per test)."""
-    for name in list(os.environ):
-        if name.startswith(("GIT_", "GITRUN_")):
-            mp.delenv(name)
-    mp.setenv("HOME", str(home))
-    mp.setenv("XDG_CONFIG_HOME", str(home / ".config"))
-    mp.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    mp.setenv("PYTHONDONTWRITEBYTECODE", "1")
-
-
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
     base = tmp_path_factory.mktemp("finished-run")
@@ -100,7 +89,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
     home.mkdir()
     (base / "user").mkdir()
     with pytest.MonkeyPatch.context() as mp:
-        _scrub(mp, base / "user")
+        scrub_env(mp, base / "user")
         res = Gitrun(home)("run", str(task_dir), "--run-id", RUN_ID, **CLI_ENV)
     assert res.code == 0, res.err
     return Template(home, task_dir, res)
@@ -142,22 +131,10 @@ class Copy:
         return git(self.repo, "rev-parse", self.ref).strip()
 
 
-def _relocate(src: Path, dest: Path) -> None:
-    """Copy a workspace; rewrite the absolute paths git and the registry keep of it."""
-    shutil.copytree(src, dest, symlinks=True)
-    old, new = str(src).encode(), str(dest).encode()
-    for path in dest.rglob("*"):
-        if not path.is_file() or path.is_symlink() or "objects" in path.parts:
-            continue
-        data = path.read_bytes()
-        if old in data:
-            path.write_bytes(data.replace(old, new))
-
-
 @pytest.fixture
 def ws(template: Template, tmp_path: Path) -> Copy:
     home = tmp_path / "ws-home"
-    _relocate(template.home, home)
+    relocate_workspace(template.home, home)
     (ref,) = find_checkpoint_refs(gitstore.open_repo(home / "repos" / TASK), RUN_ID)
     return Copy(home, template.task_dir, ref)
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +22,7 @@ from typing import Any
 
 import pygit2
 import pytest
-from conftest import SANDBOXES, Gitrun, Result, git, snapshot
+from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, scrub_env, snapshot
 
 from gitrun import gitstore, service
 from gitrun.agents import load_agent
@@ -63,29 +61,6 @@ SAME_KEY = "needs review (same idempotency key, different intent digest)"
 
 
 # -- the frozen run every test copies ----------------------------------------------------
-
-
-def _scrub(mp: pytest.MonkeyPatch, home: Path) -> None:
-    """The module-scoped twin of conftest's hermetic_git (that one is per test)."""
-    for name in list(os.environ):
-        if name.startswith(("GIT_", "GITRUN_")):
-            mp.delenv(name)
-    mp.setenv("HOME", str(home))
-    mp.setenv("XDG_CONFIG_HOME", str(home / ".config"))
-    mp.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    mp.setenv("PYTHONDONTWRITEBYTECODE", "1")
-
-
-def _relocate(src: Path, dest: Path) -> None:
-    """Copy a workspace; rewrite the absolute paths git and the registry keep of it."""
-    shutil.copytree(src, dest, symlinks=True)
-    old, new = str(src).encode(), str(dest).encode()
-    for path in dest.rglob("*"):
-        if not path.is_file() or path.is_symlink() or "objects" in path.parts:
-            continue
-        data = path.read_bytes()
-        if old in data:
-            path.write_bytes(data.replace(old, new))
 
 
 def _intrude(home: Path, action: Action) -> str:
@@ -137,7 +112,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
     new_keypair("reviewer", "eve", keys.dir, base / "other-roots.json")
     cli = Gitrun(home)
     with pytest.MonkeyPatch.context() as mp:
-        _scrub(mp, base / "user")
+        scrub_env(mp, base / "user")
         crashed = cli(
             "run",
             str(SANDBOXES / TASK),
@@ -219,7 +194,7 @@ class Copy:
 @pytest.fixture
 def ws(template: Template, tmp_path: Path) -> Copy:
     home = tmp_path / "ws-home"
-    _relocate(template.home, home)
+    relocate_workspace(template.home, home)
     return Copy(home, template.keys)
 
 
