@@ -275,19 +275,24 @@ def assert_invisible(repo: Path, oid: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_two_resumes_started_together_on_a_crashed_run_one_finishes_the_other_is_told_the_owner(
-    gitrun: Gitrun, reap: list[subprocess.Popen[str]]
+    gitrun: Gitrun, reap: list[subprocess.Popen[str]], sandbox_copy: Callable[[str], Path]
 ) -> None:
     # Three rounds at once, each on its own run (crashed at a different point) in one
-    # repository: two resumes per run, started together.
+    # repository: two resumes per run, started together. The verifier takes 3 s, so
+    # the winner still owns the run when the slower of the two processes starts.
     points = ["after_intent_checkpoint", "write_ref_moved", "after_file_sync"]
+    task = slow_task(sandbox_copy)
     for n, point in enumerate(points):
-        crash_run(gitrun, FIX_MEDIAN, f"race-{n}", point)
+        crash_run(gitrun, task, f"race-{n}", point)
         dead_owner = lease_of(gitrun, f"race-{n}")
         assert dead_owner["live"]
         assert dead_owner["lease_version"] == 1
     workers = {n: [f"w{n}-a", f"w{n}-b"] for n in range(len(points))}
     procs = {
-        n: [gitrun.popen("resume", f"race-{n}", "-q", "--worker-id", w) for w in names]
+        n: [
+            gitrun.popen("resume", f"race-{n}", "-q", "--worker-id", w, SLOW_TEST_SECONDS="3")
+            for w in names
+        ]
         for n, names in workers.items()
     }
     for pair in procs.values():
