@@ -201,9 +201,9 @@ def run_verifier(
             run = _execute(_argv(spec, report), workdir, log, spec.timeout_seconds, ticker)
             tail = _tail(log)
         outcomes, summary = _verdict(spec, run, report)
-    if spec.junit and not report.exists() and tail.strip():
-        # e.g. "No module named pytest": the one line that tells the user what to do
-        summary += f" (the command said: {tail.strip().splitlines()[-1][:200]})"
+        if spec.junit and not report.exists() and tail.strip():
+            # e.g. "No module named pytest": the one line that tells the user what to do
+            summary += f" (the command said: {tail.strip().splitlines()[-1][:200]})"
     passed = (
         not run.timed_out
         and (spec.junit or run.exit_code == 0)

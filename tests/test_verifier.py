@@ -367,6 +367,17 @@ def test_command_that_writes_no_report_counts_as_an_error(project: Path) -> None
     assert result.summary == "verifier error: no JUnit report was written"
 
 
+def test_a_command_that_writes_no_report_says_in_the_summary_what_it_printed(
+    project: Path,
+) -> None:
+    command = ("{python}", "-c", "import sys; sys.exit('No module named pytest')")
+    result = run_verifier(spec((A + "test_fixed",), command=command), project)
+
+    assert not result.passed
+    assert result.summary.startswith("verifier error: no JUnit report was written")
+    assert "No module named pytest" in result.summary
+
+
 def test_testcase_without_file_attribute_is_matched_through_its_classname(project: Path) -> None:
     report = (
         "<testsuite>"
