@@ -1,0 +1,201 @@
+"""The run's worktree on disk: files synced from commits, the index kept close behind.
+
+A write step only writes the files its commit changed; rewriting the worktree's index
+costs time in proportion to the repository, so it is synced every few writes and when a
+run stops (:meth:`WorktreeFiles.sync_index`). :meth:`WorktreeFiles.status` judges the
+paths the index lags on directly, so observations are exact either way, and
+:meth:`WorktreeFiles.repair_sync` finishes a file sync a crash interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import pygit2
+from pygit2.enums import FileMode, FileStatus
+
+from gitrun import faults, gitstore, trees
+from gitrun.errors import EnvironmentDrift
+
+INDEX_BASE_FILE = "gitrun-index-base"  # the commit the worktree's index was last synced to
+
+
+class WorktreeFiles(ABC):
+    """Files and index of one worktree; :class:`gitrun.environment.Environment` is one."""
+
+    repo: pygit2.Repository
+    worktree: Path
+
+    @property
+    @abstractmethod
+    def wt(self) -> pygit2.Repository:
+        """The worktree's own repository handle (its HEAD, index and status)."""
+
+    @abstractmethod
+    def head(self) -> pygit2.Commit:
+        """The run branch's tip."""
+
+    @abstractmethod
+    def receipt_of_trailers_only(self, commit: pygit2.Commit) -> str | None:
+        """The idempotency key of a write commit of this run, else None."""
+
+    def sync_files(
+        self, old: pygit2.Tree, new: pygit2.Tree, changes: dict[str, trees.Change]
+    ) -> None:
+        """Make the worktree files match ``new`` for the changed paths.
+
+        The worktree's index is not rewritten here: that costs O(files in the repo) per
+        step. :meth:`sync_index` brings it up to HEAD before anything reads status.
+        """
+        for n, path in enumerate(sorted(changes)):
+            target = self.worktree / path
+            obj = trees.entry(new, path)
+            if isinstance(obj, pygit2.Blob):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(target.name + ".gitrun-tmp")
+                tmp.write_bytes(obj.data)
+                mode = trees.entry_mode(new, path)
+                os.chmod(tmp, 0o755 if mode == trees.EXEC else 0o644)
+                os.replace(tmp, target)
+            else:
+                target.unlink(missing_ok=True)
+                _prune_empty_dirs(target.parent, self.worktree)
+            if n == 0:
+                faults.point("mid_file_sync")
+        del old
+
+    def _index_base(self) -> pygit2.Commit | None:
+        base_file = Path(self.wt.path) / INDEX_BASE_FILE
+        base = base_file.read_text().strip() if base_file.is_file() else ""
+        commit = self.repo.get(base) if base else None
+        return commit if isinstance(commit, pygit2.Commit) else None
+
+    def status(self) -> list[tuple[str, int]]:
+        """``git status`` of the worktree against HEAD, sorted, without writing anything.
+
+        For paths the steps changed since the index was last synced, libgit2's answer
+        compares against a stale index, so those are judged directly: a file is clean
+        exactly when its bytes on disk are HEAD's (absent when HEAD has none).
+        """
+        head = self.head()
+        raw = self.wt.status(untracked_files="all", ignored=False)
+        base = self._index_base()
+        if base is None or base.id == head.id:
+            if base is None and raw:
+                self.sync_index()  # no record of the index: rebuild it, then ask again
+                raw = self.wt.status(untracked_files="all", ignored=False)
+            return sorted((p, int(f)) for p, f in raw.items())
+        lagging = trees.changed_paths(base.tree, head.tree)
+        out = []
+        for path, flags in raw.items():
+            if path not in lagging:
+                out.append((path, int(flags)))
+                continue
+            on_disk = self.worktree / path
+            data = on_disk.read_bytes() if is_regular(on_disk) else None
+            if data != trees.blob_bytes(self.repo, head.tree, path):
+                out.append((path, int(FileStatus.WT_MODIFIED)))
+        return sorted(out)
+
+    def sync_index(self) -> None:
+        """Bring the worktree's index up to HEAD for the paths changed since it was last
+        written (recorded in the worktree's git dir). A file whose content on disk is
+        HEAD's is staged with its stat data; any other is staged as HEAD's blob, so
+        ``git status`` shows the difference instead of hiding it."""
+        head = self.head()
+        base_file = Path(self.wt.path) / INDEX_BASE_FILE
+        base = base_file.read_text().strip() if base_file.is_file() else ""
+        if base == str(head.id):
+            return
+        index = self.wt.index
+        index.read(force=False)
+        base_commit = self.repo.get(base) if base else None
+        paths: set[str] = set()
+        if isinstance(base_commit, pygit2.Commit):
+            paths = trees.changed_paths(base_commit.tree, head.tree)
+        else:
+            index.read_tree(head.tree)  # no record of the index: rebuild it from HEAD
+        for path in sorted(paths):
+            obj = trees.entry(head.tree, path)
+            if isinstance(obj, pygit2.Blob):
+                mode = trees.entry_mode(head.tree, path) or trees.BLOB
+                on_disk = self.worktree / path
+                if is_regular(on_disk) and on_disk.read_bytes() == obj.data:
+                    self._index_add(index, path, obj.id, mode)
+                else:
+                    index.add(pygit2.IndexEntry(path, obj.id, FileMode(mode)))
+            elif path in index:
+                index.remove(path)
+        # Written under the index file's OS lock, as a ref is: an index.lock left by a
+        # gitrun killed while writing it is then provably stale, and removed first.
+        name = (Path(self.wt.path) / "index").resolve().relative_to(gitstore.common_dir(self.repo))
+        with gitstore.os_locks(self.repo, [str(name)]):
+            index.write()
+        tmp = base_file.with_name(INDEX_BASE_FILE + ".tmp")
+        tmp.write_text(str(head.id))
+        os.replace(tmp, base_file)
+
+    @staticmethod
+    def _index_add(index: pygit2.Index, path: str, oid: pygit2.Oid, mode: int) -> None:
+        """Stage ``path`` with its stat data (so later status calls need not re-hash it)."""
+        index.add(path)
+        entry = index[path]
+        if entry.id != oid or int(entry.mode) != mode:
+            # A filter changed the bytes on the way in: stage the blob itself.
+            index.add(pygit2.IndexEntry(path, oid, FileMode(mode)))
+
+    def repair_sync(self, *, check_only: bool = False) -> bool:
+        """Finish a file sync a crash interrupted (window 3). True when something was fixed.
+
+        Only the paths of the HEAD write commit may differ, and each file must hold
+        either its old or its new content; anything else is drift and refused. With
+        ``check_only`` it refuses the same way but touches nothing.
+        """
+        head = self.head()
+        status = dict(self.status())
+        if not status:
+            return False
+        if self.receipt_of_trailers_only(head) is None or len(head.parents) != 1:
+            raise EnvironmentDrift(
+                "uncommitted-edits", f"uncommitted changes: {sorted(status)[:5]}"
+            )
+        parent = head.parents[0]
+        changed = trees.changed_paths(parent.tree, head.tree)
+        for path in status:
+            allowed = path in changed or any(path.startswith(c + "/") for c in changed)
+            on_disk = self.worktree / path
+            data = on_disk.read_bytes() if on_disk.is_file() else None
+            ok_values = (
+                trees.blob_bytes(self.repo, parent.tree, path),
+                trees.blob_bytes(self.repo, head.tree, path),
+            )
+            if not allowed or data not in ok_values:
+                raise EnvironmentDrift(
+                    "uncommitted-edits", f"{path} differs from both HEAD and its parent"
+                )
+        if check_only:
+            return True
+        changes: dict[str, trees.Change] = {}
+        for path in changed:
+            obj = trees.entry(head.tree, path)
+            changes[path] = (
+                None if obj is None else (obj.id, trees.entry_mode(head.tree, path) or 0)
+            )
+        self.sync_files(parent.tree, head.tree, changes)
+        return True
+
+
+def _prune_empty_dirs(directory: Path, root: Path) -> None:
+    while directory != root and directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
+        directory = directory.parent
+
+
+def is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False
