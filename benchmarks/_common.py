@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -49,12 +49,12 @@ import pygit2  # noqa: E402 - after the environment is made hermetic
 
 from gitrun import gitstore  # noqa: E402
 from gitrun.agents import ScriptAgent  # noqa: E402
-from gitrun.checkpoint import CheckpointStore, checkpoint_ref  # noqa: E402
-from gitrun.environment import Environment, branch_ref  # noqa: E402
+from gitrun.checkpoint import CheckpointStore  # noqa: E402
+from gitrun.environment import Environment  # noqa: E402
 from gitrun.keys import load_keyring  # noqa: E402
 from gitrun.lease import LeaseManager  # noqa: E402
-from gitrun.records import Action, EnvState  # noqa: E402
-from gitrun.runtime import Runtime, initial_state  # noqa: E402
+from gitrun.records import Action  # noqa: E402
+from gitrun.runtime import Runtime, begin  # noqa: E402
 from gitrun.task import Task, load_task  # noqa: E402
 
 gitstore.configure_git()
@@ -283,50 +283,26 @@ def start_run(
     actions: tuple[Action, ...] = (),
     lease_seconds: float = 3600.0,
     worker: str = "bench-worker",
-    agent_identity: str = "plan:bench",
 ) -> Run:
     """What ``gitrun run`` sets up (lease, worktree, first checkpoint), without the loop."""
     store = CheckpointStore(repo, load_keyring(key_file))
     lease = LeaseManager(repo, run_id, worker, lease_seconds)
     lease.acquire(0)
     env = Environment.create(repo, run_id, base, worktree, f"{task.id}@{task.version}")
-    obs = env.observe(full=True)
     base_obj = repo[base]
-    parts = task.scenario_parts(str(base), str(base_obj.tree_id))
-    state = initial_state(
-        run_id=run_id,
+    rt = begin(
         task=task,
-        agent=agent_identity,
+        env=env,
+        store=store,
+        lease=lease,
+        agent=ScriptAgent("plan", actions),
         worker=worker,
-        env_state=EnvState(
-            obs.instance_id,
-            str(worktree),
-            branch_ref(run_id),
-            str(base),
-            obs.head,
-            obs.tree,
-            obs.status_digest,
-            obs.head,
-            0,
-        ),
-        lease_version=lease.fence.version,
-        scenario_parts=parts,
+        base_commit=str(base),
+        scenario_parts=task.scenario_parts(str(base), str(base_obj.tree_id)),
+        say=lambda _: None,
+        approvals=no_approvals(),
     )
-    ref = checkpoint_ref(run_id, task.id, obs.instance_id)
-    oid = store.advance(ref, state, None, lease.fence)
-    agent = ScriptAgent("plan", actions)
-    rt = Runtime(
-        task,
-        env,
-        store,
-        ref,
-        lease,
-        agent,
-        replace(state, events=()),
-        oid,
-        lambda _: None,
-        no_approvals(),
-    )
+    ref = rt.ref
     return Run(repo, env, store, lease, task, ref, rt)
 
 

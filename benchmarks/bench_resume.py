@@ -93,7 +93,6 @@ def build(root: Path, steps_list: list[int]) -> tuple[Workspace, dict[int, str]]
             worktree=worktree,
             key_file=ws.key_file,
             actions=agent.actions,
-            agent_identity=agent.identity,
             lease_seconds=30,
         )
         for _ in range(steps):

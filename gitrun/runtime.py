@@ -397,3 +397,41 @@ def initial_state(
         updated_at=now,
     )
     return state.with_events(Event("started", now, {"worker": worker, "agent": agent}))
+
+
+def begin(
+    *,
+    task: Task,
+    env: Environment,
+    store: CheckpointStore,
+    lease: LeaseManager,
+    agent: ScriptAgent,
+    worker: str,
+    base_commit: str,
+    scenario_parts: dict[str, str],
+    say: Say,
+    approvals: Approvals,
+) -> Runtime:
+    """Observe a fresh worktree, write checkpoint generation 1, and return the runtime."""
+    from gitrun.checkpoint import checkpoint_ref
+
+    obs = env.observe(full=True)
+    env_state = EnvState(
+        obs.instance_id, str(env.worktree), env.branch, base_commit,
+        obs.head, obs.tree, obs.status_digest, obs.head, 0,
+    )  # fmt: skip
+    state = initial_state(
+        run_id=env.run_id,
+        task=task,
+        agent=agent.identity,
+        worker=worker,
+        env_state=env_state,
+        lease_version=lease.fence.version,
+        scenario_parts=scenario_parts,
+    )
+    ref = checkpoint_ref(env.run_id, task.id, obs.instance_id)
+    oid = store.advance(ref, state, None, lease.fence)
+    # The first checkpoint's events are in the chain: the next one starts a new batch.
+    return Runtime(
+        task, env, store, ref, lease, agent, replace(state, events=()), oid, say, approvals
+    )

@@ -27,9 +27,9 @@ from gitrun.evidence import sign as sign_evidence
 from gitrun.evidence import verify as verify_evidence
 from gitrun.keys import load_keyring
 from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, read_lease
-from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, EnvState, RunState
+from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
 from gitrun.recovery import reconcile
-from gitrun.runtime import Runtime, initial_state
+from gitrun.runtime import Runtime, begin
 from gitrun.show import action_diff, commit_diff, side_by_side
 from gitrun.task import Task, load_task
 from gitrun.workspace import RunRecord, Workspace, check_run_id, new_run_id, user_repo
@@ -138,42 +138,19 @@ def _setup_and_run(
             Path(record.worktree),
             f"{task.id}@{task.version}",
         )
-        obs = env.observe(full=True)
-        parts = _base_parts(task, repo, record.base_commit)
-        state = initial_state(
-            run_id=record.run_id,
+        rt = begin(
             task=task,
-            agent=agent.identity,
+            env=env,
+            store=store,
+            lease=lease,
+            agent=agent,
             worker=opts.worker,
-            env_state=EnvState(
-                obs.instance_id,
-                record.worktree,
-                record.branch,
-                record.base_commit,
-                obs.head,
-                obs.tree,
-                obs.status_digest,
-                obs.head,
-                0,
-            ),
-            lease_version=lease.fence.version,
-            scenario_parts=parts,
+            base_commit=record.base_commit,
+            scenario_parts=_base_parts(task, repo, record.base_commit),
+            say=opts.say,
+            approvals=opts.approvals,
         )
-        ref = checkpoint_ref(record.run_id, task.id, obs.instance_id)
-        oid = store.advance(ref, state, None, lease.fence)
         opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
-        rt = Runtime(
-            task,
-            env,
-            store,
-            ref,
-            lease,
-            agent,
-            replace(state, events=()),
-            oid,
-            opts.say,
-            opts.approvals,
-        )
         return _drive(rt)
     finally:
         _release(lease)
