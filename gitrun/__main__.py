@@ -1,5 +1,5 @@
 """``python -m gitrun`` runs the CLI."""
 
-from gitrun.cli import main
+from gitrun.entry import main
 
 main()

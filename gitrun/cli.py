@@ -11,12 +11,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from typer._click.exceptions import ClickException  # typer vendors click; not re-exported
 
 from gitrun import faults, service
+from gitrun.entry import status_text
 from gitrun.errors import Exit, GitrunError
 from gitrun.records import DONE, RunState
 from gitrun.workspace import Workspace
@@ -146,34 +147,7 @@ def status(
 ) -> None:
     """Show a run's phase, HEAD, pending action, receipts, verifier and lease."""
     info = service.status(run_id, _options(workspace, key_file))
-    if as_json:
-        typer.echo(json.dumps(info, indent=2, sort_keys=True))
-        return
-    lease = info.get("lease")
-    pending = info["pending"]
-    lines = [
-        f"run        {info['run_id']}  (task {info['task_id']})",
-        f"phase      {info['phase']}"
-        + (f"  ({info['stop_reason']})" if info.get("stop_reason") else ""),
-        f"repo       {info['repo']}",
-        f"worktree   {info['worktree']}  branch {info['branch']}",
-        f"head       {info['head']}",
-        f"pending    {pending['action'] + ' key ' + pending['key'] if pending else '-'}",
-        f"receipts   {len(info['receipts'])}",
-        f"verifier   {info['verifier']['summary'] if info['verifier'] else '-'}",
-        f"lease      {_lease_line(lease)}",
-    ]
-    if info.get("checkpoint_error"):
-        lines.append(f"checkpoint {info['checkpoint_error']}")
-    typer.echo("\n".join(lines))
-
-
-def _lease_line(lease: dict[str, Any] | None) -> str:
-    if not lease:
-        return "-"
-    state = "live" if lease["live"] else "expired"
-    until = time.strftime("%H:%M:%S", time.localtime(lease["expires_at"]))
-    return f"{lease['owner_worker']} v{lease['lease_version']} {state} until {until}"
+    typer.echo(status_text(info, as_json))
 
 
 @app.command()

@@ -15,14 +15,14 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from typing import TYPE_CHECKING, Any
 
 from gitrun.codec import DecodeError, canonical_bytes, decode, digest, encode
 from gitrun.errors import ApprovalRefused, BadInput, KeyFileError
+
+if TYPE_CHECKING:
+    # cryptography loads only when a key is made, used or checked: not for `gitrun status`.
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 ROLES = ("approver", "reviewer")
 APPROVAL_DOMAIN = b"gitrun-approval/1\n"
@@ -69,6 +69,9 @@ def new_keypair(
     path = out_dir / f"{name}.key"
     if path.exists():
         raise BadInput(f"{path} already exists; choose another name")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     private = Ed25519PrivateKey.generate()
     raw = private.private_bytes(
         serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
@@ -111,6 +114,8 @@ def load_trust_roots(path: Path) -> dict[str, TrustRoot]:
 
 
 def load_private_key(path: Path) -> tuple[PrivateKeyFile, Ed25519PrivateKey]:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     try:
         mode = stat.S_IMODE(path.stat().st_mode)
         record = decode(PrivateKeyFile, json.loads(path.read_text()))
@@ -156,6 +161,9 @@ def verify(
         raise ApprovalRefused("unknown-signer", f"{evidence.signer} is not in the trust roots")
     if root.role != role:
         raise ApprovalRefused("wrong-role", f"{root.name} is a {root.role}, not a {role}")
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     public = Ed25519PublicKey.from_public_bytes(_unb64(root.public_key))
     try:
         public.verify(_unb64(evidence.signature), domain + canonical_bytes(evidence.claims))

@@ -17,13 +17,17 @@ import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import filelock
 import pygit2
 
 from gitrun import gitstore
 from gitrun.codec import DecodeError, canonical_bytes, decode, encode
 from gitrun.errors import CasFailed, GitrunError, LeaseHeld, LeaseLost
+
+if TYPE_CHECKING:
+    # filelock (and the logging it pulls in) loads only when a lease is taken or probed.
+    import filelock
 
 DEFAULT_DURATION = 30.0
 
@@ -89,6 +93,8 @@ def owner_alive(repo: pygit2.Repository, run_id: str, worker: str) -> bool:
     """
     path = _owner_lock_path(repo, run_id, worker)
     path.parent.mkdir(parents=True, exist_ok=True)
+    import filelock
+
     lock = filelock.FileLock(str(path), timeout=0.2)
     try:
         lock.acquire()
@@ -145,6 +151,8 @@ class LeaseManager:
             return True
         path = _owner_lock_path(self.repo, self.run_id, self.worker)
         path.parent.mkdir(parents=True, exist_ok=True)
+        import filelock
+
         lock = filelock.FileLock(str(path), timeout=0)
         try:
             lock.acquire()

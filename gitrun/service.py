@@ -11,28 +11,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pygit2
 
 from gitrun import gitstore, trees
-from gitrun.agents import ScriptAgent, load_agent
-from gitrun.approvals import Approvals, approval_claims, review_claims, submit
 from gitrun.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
 from gitrun.codec import encode
 from gitrun.environment import Environment, branch_ref
 from gitrun.errors import BadInput, CheckpointRejected, Frozen, GitrunError, LeaseLost
-from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, load_trust_roots
-from gitrun.evidence import sign as sign_evidence
-from gitrun.evidence import verify as verify_evidence
 from gitrun.keys import load_keyring
 from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, read_lease
 from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
-from gitrun.recovery import reconcile
-from gitrun.runtime import Runtime, begin
-from gitrun.show import action_diff, commit_diff, side_by_side
 from gitrun.task import Task, load_task
 from gitrun.workspace import RunRecord, Workspace, check_run_id, new_run_id, user_repo
+
+if TYPE_CHECKING:
+    # Loaded by the use cases that drive, approve or review a run, not by `gitrun status`
+    # (hooks call it once per agent tool call; issue #15).
+    from gitrun.agents import ScriptAgent
+    from gitrun.approvals import Approvals
+    from gitrun.evidence import Signed
+    from gitrun.runtime import Runtime
 
 
 def _quiet(_: str) -> None:
@@ -50,6 +50,9 @@ class Options:
 
     @property
     def approvals(self) -> Approvals:
+        from gitrun.approvals import Approvals
+        from gitrun.evidence import load_trust_roots
+
         return Approvals(load_trust_roots(self.trust_roots) if self.trust_roots else None)
 
 
@@ -81,6 +84,8 @@ def start(
     task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: str, run_id: str | None
 ) -> RunState:
     """Create a run (worktree, first checkpoint) and drive it to an end or a freeze."""
+    from gitrun.agents import load_agent
+
     task = load_task(task_dir)
     agent, recorded_spec = load_agent(agent_spec, task)
     ws = opts.workspace
@@ -127,6 +132,8 @@ def _setup_and_run(
     *,
     lease: LeaseManager | None = None,
 ) -> RunState:
+    from gitrun.runtime import begin
+
     if lease is None:
         lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
         lease.acquire(0, opts.takeover_after)
@@ -213,6 +220,9 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     """Verify the checkpoint, take the lease, reconcile the environment, carry on."""
     opened = open_run(run_id, opts, task_dir)
     record, task = opened.record, opened.task
+    from gitrun.agents import load_agent
+    from gitrun.recovery import reconcile
+
     agent, _ = load_agent(record.agent, task)
     if _the_ref(opened) is None and _never_started(opened):
         restarted = _restart_setup(opened, agent, opts)
@@ -259,6 +269,8 @@ def _runtime(
 ) -> Runtime:
     """A runtime on the verified checkpoint. Its events are already in the chain: the
     next checkpoint starts a new batch."""
+    from gitrun.runtime import Runtime
+
     return Runtime(
         opened.task,
         opened.env,
@@ -275,6 +287,8 @@ def _runtime(
 
 def _continue(rt: Runtime, opts: Options) -> RunState:
     """Take in waiting evidence or reconcile, then drive the run on."""
+    from gitrun.recovery import reconcile
+
     approvals = rt.approvals
     generation = rt.state.generation
     if rt.state.phase == NEEDS_REVIEW:
@@ -429,6 +443,12 @@ def approve(
     run_id: str, opts: Options, key_file: Path, ttl_seconds: float, note: str
 ) -> tuple[RunState, Signed, str]:
     """Sign an approval for the pending action and leave it for the runtime."""
+    from gitrun.approvals import approval_claims, submit
+    from gitrun.evidence import APPROVAL_DOMAIN, load_trust_roots
+    from gitrun.evidence import sign as sign_evidence
+    from gitrun.evidence import verify as verify_evidence
+    from gitrun.show import action_diff
+
     opened = open_run(run_id, opts)
     _, stored = load_verified(opened)
     state = stored.state
@@ -446,6 +466,8 @@ def approve(
 
 def review_case(run_id: str, opts: Options) -> tuple[RunState, str]:
     """The open review case and its two diffs side by side."""
+    from gitrun.show import action_diff, commit_diff, side_by_side
+
     opened = open_run(run_id, opts)
     _, stored = load_verified(opened)
     state = stored.state
@@ -466,6 +488,10 @@ def review_case(run_id: str, opts: Options) -> tuple[RunState, str]:
 
 
 def review_decide(run_id: str, opts: Options, key_file: Path, decision: str) -> Signed:
+    from gitrun.approvals import review_claims, submit
+    from gitrun.evidence import REVIEW_DOMAIN
+    from gitrun.evidence import sign as sign_evidence
+
     opened = open_run(run_id, opts)
     _, stored = load_verified(opened)
     if decision not in ("replan", "abort"):

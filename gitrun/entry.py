@@ -1,0 +1,177 @@
+"""The ``gitrun`` process entry: ``--help`` and ``status RUN`` answered without Typer.
+
+Hooks and scripts start gitrun once per agent tool call, so these two must start fast
+(issue #15). This module imports only the standard library at load; ``status`` imports
+the modules that read a run, and every other command line goes to the Typer app in
+:mod:`gitrun.cli` unchanged. Both paths print the same text and exit with the same
+codes (``tests/test_startup.py`` holds them to it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# The top-level help, as Typer renders it (rich's boxes, without colour). Kept beside
+# the Typer app's own texts by tests/test_startup.py.
+DESCRIPTION = "gitrun: durable, exactly-once steps for code-editing agents, with git as the store."
+COMMANDS = (
+    ("run", "Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."),
+    ("resume", "Continue a run that stopped anywhere: verify, reconcile, carry on exactly once."),
+    ("status", "Show a run's phase, HEAD, pending action, receipts, verifier and lease."),
+    (
+        "receipts",
+        "List the run's write receipts (its commits), oldest first, read from git history.",
+    ),
+    ("list", "List the runs this workspace knows."),
+    ("checkpoints", "List the verified checkpoint chain, newest first."),
+    ("approve", "Show the action waiting for approval and sign an approval bound to exactly it."),
+    ("checkpoint", "Verify checkpoints."),
+    ("debug", "Debugging aids."),
+    ("keys", "Approver/reviewer keys and the checkpoint keyring."),
+    ("review", "Review a run frozen by a receipt conflict."),
+)
+STATUS_OPTIONS = {"--workspace": "workspace", "--key-file": "key_file"}
+
+
+def _width() -> int:
+    """The width rich would use: TERMINAL_WIDTH (Typer), COLUMNS, the terminal, or 80."""
+    for name in ("TERMINAL_WIDTH", "COLUMNS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    if sys.stdout.isatty():
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    return 80
+
+
+def _box(title: str, rows: list[tuple[str, str]], width: int) -> list[str]:
+    """A titled box of rows: a padded left column and text wrapped beside it."""
+    inner = width - 4
+    left = max(len(name) for name, _ in rows) + 2
+    out = [f"╭─ {title} " + "─" * (width - len(title) - 5) + "╮"]
+    for name, text in rows:
+        lines = textwrap.wrap(text, max(10, inner - left)) or [""]
+        for i, line in enumerate(lines):
+            cell = (name if i == 0 else "").ljust(left) + line
+            out.append(f"│ {cell.ljust(inner)} │")
+    out.append("╰" + "─" * (width - 2) + "╯")
+    return out
+
+
+def help_text() -> str:
+    """``gitrun --help``: usage, description, the options and every command."""
+    width = max(40, _width())
+    blank = " " * width
+    lines = [blank]
+    for paragraph in ("Usage: gitrun [OPTIONS] COMMAND [ARGS]...", DESCRIPTION):
+        lines += [f" {line}".ljust(width) for line in textwrap.wrap(paragraph, width - 2)]
+        lines.append(blank)
+    lines += _box("Options", [("--help        <bool>", "Show this message and exit.")], width)
+    lines += _box("Commands", list(COMMANDS), width)
+    return "\n".join(lines) + "\n\n"
+
+
+def status_text(info: dict[str, Any], as_json: bool) -> str:
+    """What ``gitrun status`` prints for :func:`gitrun.service.status`'s answer."""
+    if as_json:
+        return json.dumps(info, indent=2, sort_keys=True)
+    lease = info.get("lease")
+    pending = info["pending"]
+    lines = [
+        f"run        {info['run_id']}  (task {info['task_id']})",
+        f"phase      {info['phase']}"
+        + (f"  ({info['stop_reason']})" if info.get("stop_reason") else ""),
+        f"repo       {info['repo']}",
+        f"worktree   {info['worktree']}  branch {info['branch']}",
+        f"head       {info['head']}",
+        f"pending    {pending['action'] + ' key ' + pending['key'] if pending else '-'}",
+        f"receipts   {len(info['receipts'])}",
+        f"verifier   {info['verifier']['summary'] if info['verifier'] else '-'}",
+        f"lease      {_lease_line(lease)}",
+    ]
+    if info.get("checkpoint_error"):
+        lines.append(f"checkpoint {info['checkpoint_error']}")
+    return "\n".join(lines)
+
+
+def _lease_line(lease: dict[str, Any] | None) -> str:
+    if not lease:
+        return "-"
+    state = "live" if lease["live"] else "expired"
+    until = time.strftime("%H:%M:%S", time.localtime(lease["expires_at"]))
+    return f"{lease['owner_worker']} v{lease['lease_version']} {state} until {until}"
+
+
+def parse_status(args: list[str]) -> dict[str, Any] | None:
+    """``status RUN [--json] [--workspace W] [--key-file K]``, or None for anything else
+    (Typer then parses it, and reports what is wrong with it)."""
+    if not args or args[0] != "status":
+        return None
+    found: dict[str, Any] = {"run_id": None, "as_json": False, "workspace": None, "key_file": None}
+    rest = iter(args[1:])
+    for arg in rest:
+        name, eq, value = arg.partition("=")
+        if arg == "--json" and not found["as_json"]:
+            found["as_json"] = True
+        elif name in STATUS_OPTIONS and found[STATUS_OPTIONS[name]] is None:
+            value = value if eq else next(rest, "-")
+            if value.startswith("-"):
+                return None
+            found[STATUS_OPTIONS[name]] = Path(value)
+        elif arg.startswith("-") or found["run_id"] is not None:
+            return None
+        else:
+            found["run_id"] = arg
+    return found if found["run_id"] is not None else None
+
+
+def _status(run_id: str, as_json: bool, workspace: Path | None, key_file: Path | None) -> int:
+    from gitrun import service
+    from gitrun.workspace import Workspace
+
+    info = service.status(run_id, service.Options(Workspace(workspace, key_file)))
+    print(status_text(info, as_json))
+    return 0
+
+
+def guarded(fn: Callable[[], int]) -> int:
+    """Run ``fn`` as :func:`gitrun.cli.main` runs a command: a user error is one line."""
+    from gitrun.errors import GitrunError
+
+    try:
+        return fn()
+    except GitrunError as exc:
+        print(f"gitrun: {exc}", file=sys.stderr)
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        print("gitrun: interrupted; resume with `gitrun resume RUN_ID`", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("GITRUN_DEBUG"):
+            raise
+        print(
+            f"gitrun: internal error: {type(exc).__name__}: {exc} (GITRUN_DEBUG=1 shows more)",
+            file=sys.stderr,
+        )
+        return 70
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: the fast answers here, everything else through the Typer app."""
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--help"]:
+        sys.stdout.write(help_text())
+        sys.exit(0)
+    status = parse_status(args)
+    if status is not None:
+        sys.exit(guarded(lambda: _status(**status)))
+    from gitrun.cli import main as typer_main
+
+    typer_main(args)
