@@ -127,6 +127,33 @@ def test_resumed_pending_write_into_a_planted_hidden_symlink_is_refused_and_land
     assert git(worktree, "status", "--porcelain", "--untracked-files=all") == ""
 
 
+def test_a_link_planted_after_the_write_committed_stops_the_file_sync_and_lands_nowhere(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Window 3: the branch already moved; the repair of the file sync on resume walks
+    the path without following the planted link, refuses, and can finish once it is gone."""
+    task = _task(sandbox_copy, _write_step("stats/extra/helpers.py", "HELPER = 1\n") + FIX)
+    res = gitrun("run", str(task), "--run-id", RUN, GITRUN_CRASH_AT="after_receipt_index")
+    assert res.code == -9, res.err
+    rec = _record(gitrun)
+    repo, worktree = Path(rec["repo"]), Path(rec["worktree"])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (worktree / "stats" / "extra").symlink_to(outside, target_is_directory=True)
+    _hide(repo, "stats/extra")
+    before = (snapshot(repo), _tree_files(worktree))
+    res = gitrun("resume", RUN)
+    assert res.code == Exit.REFUSED, res.out + res.err
+    assert "(symlink-in-path)" in _one_line(res.err)
+    assert (snapshot(repo), _tree_files(worktree)) == before
+    assert list(outside.iterdir()) == []
+    (worktree / "stats" / "extra").unlink()
+    res = gitrun("resume", RUN)
+    assert res.code == Exit.DONE, res.out + res.err
+    assert (worktree / "stats" / "extra" / "helpers.py").read_text() == "HELPER = 1\n"
+    assert list(outside.iterdir()) == []
+
+
 def test_the_file_writer_follows_no_symlink_even_one_planted_after_every_check(
     tmp_path: Path,
 ) -> None:
