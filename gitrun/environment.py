@@ -413,6 +413,8 @@ class Environment(WorktreeFiles):
     ) -> dict[str, trees.Change]:
         changes: dict[str, trees.Change] = {}
         for fp in parse_patch(text):
+            if fp.old_path and trees.entry_mode(tree, fp.old_path) == trees.TREE:
+                raise GateRejected("path-is-directory", f"{fp.old_path} is a directory")
             old = trees.blob_bytes(self.repo, tree, fp.old_path) if fp.old_path else None
             new = apply_file_patch(old, fp)
             if fp.old_path and fp.old_path != fp.new_path:
@@ -427,7 +429,7 @@ class Environment(WorktreeFiles):
         """Refuse, before any file is written, a write whose paths are not exactly
         ``tree``'s on disk (bytes, mode, type) or run through a link or file on disk."""
         for path in sorted(changes):
-            if safefs.inspect(self.worktree, path) != trees.entry_state(tree, path):
+            if not self.same(safefs.inspect(self.worktree, path), trees.entry_state(tree, path)):
                 raise EnvironmentDrift(
                     "uncommitted-edits", f"{path} has uncommitted changes in {self.worktree}"
                 )

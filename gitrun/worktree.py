@@ -124,9 +124,25 @@ class WorktreeFiles(ABC):
     def matches(self, tree: pygit2.Tree, path: str) -> bool:
         """Whether the disk holds exactly ``tree``'s entry at ``path`` (links unfollowed)."""
         try:
-            return safefs.inspect(self.worktree, path) == trees.entry_state(tree, path)
+            return self.same(safefs.inspect(self.worktree, path), trees.entry_state(tree, path))
         except EnvironmentDrift:
             return False  # a link or a file where a directory should be
+
+    def same(self, disk: safefs.State | None, entry: safefs.State | None) -> bool:
+        """Disk state equals a tree entry: type, bytes, and the exec bit unless the
+        repository says its file modes mean nothing (``core.filemode = false``, as git)."""
+        if disk == entry:
+            return True
+        regular = (trees.BLOB, trees.EXEC)
+        if disk is None or entry is None or disk[0] not in regular or entry[0] not in regular:
+            return False
+        return disk[1] == entry[1] and not self._filemode()
+
+    def _filemode(self) -> bool:
+        try:
+            return bool(self.wt.config.get_bool("core.filemode"))
+        except KeyError:
+            return True
 
     def sync_index(self) -> None:
         """Bring the worktree's index up to HEAD for the paths changed since it was last
@@ -198,7 +214,7 @@ class WorktreeFiles(ABC):
             allowed = path in changed or any(path.startswith(c + "/") for c in changed)
             on_disk = safefs.inspect(self.worktree, path)  # a link in the way: drift
             ok = (trees.entry_state(parent.tree, path), trees.entry_state(head.tree, path))
-            if not allowed or on_disk not in ok:
+            if not allowed or not any(self.same(on_disk, entry) for entry in ok):
                 raise EnvironmentDrift(
                     "uncommitted-edits", f"{path} differs from both HEAD and its parent"
                 )

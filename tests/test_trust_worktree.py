@@ -320,6 +320,20 @@ def test_a_chmod_on_a_file_a_step_just_wrote_is_an_uncommitted_change(
     assert res.code == Exit.DONE, res.out + res.err
 
 
+def test_a_chmod_in_a_repository_without_file_modes_is_no_change_as_for_git(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path]
+) -> None:
+    task = _task(sandbox_copy, FIX)
+    res = gitrun("run", str(task), "--run-id", RUN, GITRUN_CRASH_AT="before_verify")
+    assert res.code == -9, res.err
+    rec = _record(gitrun)
+    git(Path(rec["repo"]), "config", "core.filemode", "false")
+    (Path(rec["worktree"]) / "stats" / "median.py").chmod(0o755)
+    res = gitrun("resume", RUN)
+    assert res.code == Exit.DONE, res.out + res.err
+    assert git(Path(rec["worktree"]), "status", "--porcelain") == ""
+
+
 def test_a_chmod_after_the_run_ended_shows_in_status_as_plain_git_does(
     gitrun: Gitrun, sandbox_copy: Callable[[str], Path]
 ) -> None:
