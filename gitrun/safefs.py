@@ -123,7 +123,8 @@ def _state(dfd: int, name: str) -> State | None:
         return TREE, b""
     if not stat.S_ISREG(st.st_mode):
         return OTHER, b""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    # O_NONBLOCK: a fifo swapped in after the stat must not hang the reader
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     with os.fdopen(fd, "rb") as fh:
         data = fh.read()
     return (EXEC if st.st_mode & stat.S_IXUSR else BLOB), data
