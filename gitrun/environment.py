@@ -13,13 +13,14 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pygit2
 
-from gitrun import faults, gitstore, trees
+from gitrun import faults, gitstore, safefs, trees
 from gitrun.codec import digest
 from gitrun.errors import (
     EnvironmentDrift,
@@ -165,8 +166,9 @@ class Environment(WorktreeFiles):
             raise EnvironmentDrift("branch-not-commit", f"{self.branch} does not point at a commit")
         return commit
 
-    def observe(self, full: bool = True) -> Observation:
-        """Instance, HEAD commit and tree, and (when ``full``) a digest of ``git status``."""
+    def observe(self, full: bool = True, skip: Collection[str] = ()) -> Observation:
+        """Instance, HEAD commit and tree, and (when ``full``) a digest of ``git status``
+        (without the paths in ``skip``)."""
         instance = self.instance_id()
         wt_head = self.wt.head.target
         head = self.head()
@@ -177,7 +179,7 @@ class Environment(WorktreeFiles):
         dirty: tuple[str, ...] = ()
         status = CLEAN_STATUS
         if full:
-            entries = self.status()
+            entries = self.status(skip)
             dirty = tuple(path for path, _ in entries)
             status = digest([[p, int(f)] for p, f in entries]) if entries else CLEAN_STATUS
         return Observation(instance, str(head.id), str(head.tree_id), status, dirty)
@@ -336,7 +338,9 @@ class Environment(WorktreeFiles):
         commit = self.repo[oid]
         if not isinstance(commit, pygit2.Commit):
             raise GitrunError(f"{oid} is not a commit")
-        self.sync_files(head.tree, commit.tree, changes)
+        # After update_ref returned: the lease ref's OS lock is taken afresh (flock is per
+        # open file; nesting it inside the ref transaction would deadlock this process).
+        self.sync_files(head.tree, commit.tree, changes, fence)
         faults.point("after_file_sync")
         receipt = self.receipt_of(commit)
         if receipt is None:
@@ -367,12 +371,33 @@ class Environment(WorktreeFiles):
         if approval is not None and approval.expires_at <= time.time():
             raise GateRejected("approval-expired", "the approval expired before the write")
 
-    def plan_changes(self, action: Action, tree: pygit2.Tree) -> dict[str, trees.Change]:
-        """The path → new (blob, mode) map an action makes against ``tree`` (no ref moves)."""
+    @contextmanager
+    def fenced(self, fence: Fence) -> Iterator[None]:
+        guard = fence_guard(self.repo, self.run_id, fence)
+        with gitstore.os_locks(self.repo, [guard.name]):
+            guard.check(gitstore.read_ref(self.repo, guard.name))
+            yield
+
+    def check_writable(self, action: Action, tree: pygit2.Tree) -> None:
+        """Refuse, writing nothing, when the disk would stop ``action`` from executing
+        cleanly on ``tree``: a link or file in its way, or edits on its paths. A refusal
+        the gate makes (the action is abandoned when it executes) is not checked here."""
+        try:
+            changes = self.plan_changes(action, tree, write=False)
+        except GateRejected:
+            return
+        self._check_clean(tree, changes)
+
+    def plan_changes(
+        self, action: Action, tree: pygit2.Tree, *, write: bool = True
+    ) -> dict[str, trees.Change]:
+        """The path → new (blob, mode) map an action makes against ``tree`` (no ref moves).
+        With ``write=False`` the blobs are only hashed, not stored."""
+        blob = self.repo.create_blob if write else pygit2.hash
         if action.kind == "write_file" and action.path is not None and action.content is not None:
             mode = trees.entry_mode(tree, action.path)
             keep = mode if mode in (trees.BLOB, trees.EXEC) else trees.BLOB
-            return {action.path: (self.repo.create_blob(action.content.encode()), keep)}
+            return {action.path: (blob(action.content.encode()), keep)}
         if action.kind == "delete_file" and action.path is not None:
             if trees.entry(tree, action.path) is None:
                 raise GateRejected(
@@ -380,12 +405,16 @@ class Environment(WorktreeFiles):
                 )
             return {action.path: None}
         if action.kind == "apply_patch" and action.patch is not None:
-            return self._patch_changes(action.patch, tree)
+            return self._patch_changes(action.patch, tree, blob)
         raise GateRejected("malformed-action", f"{action.kind} lacks the fields it needs")
 
-    def _patch_changes(self, text: str, tree: pygit2.Tree) -> dict[str, trees.Change]:
+    def _patch_changes(
+        self, text: str, tree: pygit2.Tree, blob: Callable[[bytes], pygit2.Oid]
+    ) -> dict[str, trees.Change]:
         changes: dict[str, trees.Change] = {}
         for fp in parse_patch(text):
+            if fp.old_path and trees.entry_mode(tree, fp.old_path) == trees.TREE:
+                raise GateRejected("path-is-directory", f"{fp.old_path} is a directory")
             old = trees.blob_bytes(self.repo, tree, fp.old_path) if fp.old_path else None
             new = apply_file_patch(old, fp)
             if fp.old_path and fp.old_path != fp.new_path:
@@ -393,16 +422,14 @@ class Environment(WorktreeFiles):
             if fp.new_path is not None and new is not None:
                 old_mode = trees.entry_mode(tree, fp.old_path) if fp.old_path else None
                 mode = fp.new_mode or old_mode or trees.BLOB
-                changes[fp.new_path] = (self.repo.create_blob(new), mode)
+                changes[fp.new_path] = (blob(new), mode)
         return changes
 
     def _check_clean(self, tree: pygit2.Tree, changes: dict[str, trees.Change]) -> None:
-        """Refuse to overwrite uncommitted edits on the paths this write touches."""
-        for path in changes:
-            on_disk = self.worktree / path
-            expected = trees.blob_bytes(self.repo, tree, path)
-            actual = on_disk.read_bytes() if on_disk.is_file() else None
-            if actual != expected:
+        """Refuse, before any file is written, a write whose paths are not exactly
+        ``tree``'s on disk (bytes, mode, type) or run through a link or file on disk."""
+        for path in sorted(changes):
+            if not self.same(safefs.inspect(self.worktree, path), trees.entry_state(tree, path)):
                 raise EnvironmentDrift(
                     "uncommitted-edits", f"{path} has uncommitted changes in {self.worktree}"
                 )

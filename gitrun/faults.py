@@ -3,6 +3,9 @@
 ``GITRUN_CRASH_AT=<point>[:<nth>]`` kills this process with SIGKILL the nth time (default
 the first) execution reaches ``<point>``: no cleanup, no ``finally`` blocks, exactly like a
 power cut or the OOM killer. ``gitrun debug crash-points`` lists the points.
+
+``GITRUN_PAUSE_AT=<point>[:<nth>]`` (tests only) stops this process with SIGSTOP there
+instead, so a test can take its lease over and wake it with SIGCONT: a stale worker.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import signal
 
 ENV_VAR = "GITRUN_CRASH_AT"
+PAUSE_VAR = "GITRUN_PAUSE_AT"
 
 # name -> the crash window it sits in (DESIGN.md §3), shown by `gitrun debug crash-points`.
 POINTS: dict[str, str] = {
@@ -20,6 +24,7 @@ POINTS: dict[str, str] = {
     "write_ref_locked": "inside the branch ref transaction: ref lock files held, nothing moved",
     "write_ref_moved": "window 3: the branch moved (commit point), receipt index not written",
     "after_receipt_index": "window 3: branch and index moved, worktree files not synced",
+    "temp_file_written": "window 3: a worktree file's temp copy written, not renamed into place",
     "mid_file_sync": "window 3: some worktree files synced, others not",
     "after_file_sync": "window 3: files synced, receipt not in the checkpoint",
     "checkpoint_ref_locked": "inside the checkpoint ref transaction: lock held, nothing moved",
@@ -28,24 +33,32 @@ POINTS: dict[str, str] = {
     "after_verify": "the verifier passed or failed, its event not yet checkpointed",
 }
 
-_counts: dict[str, int] = {}
+_counts: dict[str, dict[str, int]] = {ENV_VAR: {}, PAUSE_VAR: {}}
 
 
-def _target() -> tuple[str, int] | None:
-    spec = os.environ.get(ENV_VAR, "")
+def _target(var: str) -> tuple[str, int] | None:
+    spec = os.environ.get(var, "")
     if not spec:
         return None
     name, _, nth = spec.partition(":")
     return name, int(nth) if nth.isdigit() else 1
 
 
+def _hit(var: str, name: str) -> bool:
+    target = _target(var)
+    if target is None or target[0] != name:
+        return False
+    counts = _counts[var]
+    counts[name] = counts.get(name, 0) + 1
+    return counts[name] == target[1]
+
+
 def point(name: str) -> None:
-    """Die here with SIGKILL if ``GITRUN_CRASH_AT`` names this point (and this pass)."""
+    """Die here with SIGKILL if ``GITRUN_CRASH_AT`` names this point (and this pass);
+    stop with SIGSTOP if ``GITRUN_PAUSE_AT`` does."""
     if name not in POINTS:
         raise ValueError(f"unknown crash point {name}")
-    target = _target()
-    if target is None or target[0] != name:
-        return
-    _counts[name] = _counts.get(name, 0) + 1
-    if _counts[name] == target[1]:
+    if _hit(ENV_VAR, name):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _hit(PAUSE_VAR, name):
+        os.kill(os.getpid(), signal.SIGSTOP)

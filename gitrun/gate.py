@@ -1,9 +1,13 @@
 """The contract gate: every proposed action is checked before anything is persisted.
 
 Rules, each with its own name in the rejection: action kind allowed; paths relative,
-normalised, without ``..``, outside ``.git``, not through a symlink, inside the write
-allowlist and outside the forbidden paths; a patch that parses and applies to the
-precondition tree; budgets left. The gate reads the repository and writes nothing.
+normalised, without ``..``, outside ``.git``, not through a symlink, outside the
+forbidden paths (a forbidden ``dir/**`` covers ``dir`` itself), not below a file of the
+tree, not naming a directory of it, inside the write allowlist; a patch that parses and
+applies to the precondition tree and makes no symlink unless the policy allows symlinks
+(then only one that resolves inside the worktree); budgets left. The gate reads the
+repository and writes nothing. A pending action passes it again when it executes
+(:meth:`Gate.check_action`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import posixpath
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -52,6 +57,58 @@ def glob_match(path: str, pattern: str) -> bool:
     return _glob_regex(pattern).match(path) is not None
 
 
+def forbidden_match(path: str, pattern: str) -> bool:
+    """A forbidden glob covers the paths it matches and a directory it covers whole:
+    ``tests/**`` forbids ``tests`` itself, not only what is inside."""
+    return glob_match(path, pattern) or glob_match(path + "/", pattern)
+
+
+def check_shape(path: str, tree: pygit2.Tree) -> None:
+    """Refuse a path below a file of the tree, or one that names a directory of it."""
+    parts = path.split("/")
+    for i in range(1, len(parts)):
+        prefix = "/".join(parts[:i])
+        if trees.entry_mode(tree, prefix) in (trees.BLOB, trees.EXEC):
+            raise GateRejected(
+                "path-under-file", f"{path} would go below {prefix}, which is a file"
+            )
+    if trees.entry_mode(tree, path) == trees.TREE:
+        raise GateRejected(
+            "path-is-directory", f"{path} is a directory; actions write and delete files only"
+        )
+
+
+def _check_nested(paths: Sequence[str]) -> None:
+    """A patch may not make a file and a path below it at once."""
+    made = set(paths)
+    for path in paths:
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in made:
+                raise GateRejected(
+                    "path-under-file",
+                    f"the patch makes {path} and {'/'.join(parts[:i])}, a file above it",
+                )
+
+
+def link_target(path: str, target: bytes) -> str:
+    """Where a symlink at ``path`` with ``target`` points, repo-relative; refused with
+    ``symlink-escape`` unless the target is relative, normalised and stays inside."""
+    text = target.decode("utf-8", "replace")
+    if not text or "\x00" in text or "\\" in text or "\ufffd" in text:
+        raise GateRejected("symlink-escape", f"{path} has an unreadable symlink target")
+    if text.startswith("/"):
+        raise GateRejected("symlink-escape", f"{path} points at the absolute path {text}")
+    if posixpath.normpath(text) != text.rstrip("/"):  # so ".." can only lead: no link climbs
+        raise GateRejected("symlink-escape", f"{path} -> {text}: the target is not normalised")
+    where = posixpath.normpath(posixpath.join(posixpath.dirname(path), text))
+    if where == ".." or where.startswith("../"):
+        raise GateRejected("symlink-escape", f"{path} -> {text} points outside the worktree")
+    if any(part.lower() == ".git" for part in where.split("/")):
+        raise GateRejected("symlink-escape", f"{path} -> {text} points into .git")
+    return where
+
+
 def normalise_path(raw: str | None) -> str:
     """A clean repo-relative POSIX path, or a rejection naming the rule broken."""
     if not isinstance(raw, str) or not raw.strip():
@@ -86,6 +143,11 @@ class Gate:
     def check(self, action: Action, tree: pygit2.Tree, used: Budgets, started_at: float) -> Action:
         """Return the action with normalised paths, or raise :class:`GateRejected`."""
         self.check_budgets(used, started_at)
+        return self.check_action(action, tree)
+
+    def check_action(self, action: Action, tree: pygit2.Tree, *, on_disk: bool = True) -> Action:
+        """Every rule but the budgets: the one a pending action passes again when it
+        executes (``on_disk=False``: the adapter then checks the disk, as drift)."""
         if action.kind not in self.policy.allowed_actions:
             raise GateRejected(
                 "action-not-allowed",
@@ -93,10 +155,10 @@ class Gate:
                 f"(allowed: {', '.join(self.policy.allowed_actions)})",
             )
         if action.kind == "apply_patch":
-            self._check_patch(action, tree)
+            self._check_patch(action, tree, on_disk)
             return action
         path = normalise_path(action.path)
-        self.check_path(path, tree)
+        self.check_path(path, tree, on_disk=on_disk)
         if action.kind == "write_file" and action.content is None:
             raise GateRejected("malformed-action", "write_file needs content")
         if action.kind == "delete_file" and trees.entry(tree, path) is None:
@@ -119,43 +181,66 @@ class Gate:
                 "budget-wall-time", f"{elapsed:.0f}s used of {limits.max_wall_seconds:.0f}s"
             )
 
-    def check_path(self, path: str, tree: pygit2.Tree) -> None:
+    def check_path(self, path: str, tree: pygit2.Tree, *, on_disk: bool = True) -> None:
         parts = path.split("/")
         for i in range(1, len(parts) + 1):
             prefix = "/".join(parts[:i])
             if trees.entry_mode(tree, prefix) == trees.LINK:
                 raise GateRejected("path-symlink", f"{path} goes through the symlink {prefix}")
-            if (self.worktree / prefix).is_symlink():
+            if on_disk and (self.worktree / prefix).is_symlink():
                 raise GateRejected(
                     "path-symlink", f"{path} goes through the symlink {prefix} on disk"
                 )
-        root = self.worktree.resolve()
-        resolved = (self.worktree / path).resolve()
-        if resolved != root and root not in resolved.parents:
-            raise GateRejected("path-escape", f"{path} resolves outside the worktree")
+        if on_disk:
+            root = self.worktree.resolve()
+            resolved = (self.worktree / path).resolve()
+            if resolved != root and root not in resolved.parents:
+                raise GateRejected("path-escape", f"{path} resolves outside the worktree")
         for pattern in self.policy.forbidden_paths:
-            if glob_match(path, pattern):
+            if forbidden_match(path, pattern):
                 raise GateRejected("path-forbidden", f"{path} matches forbidden path {pattern!r}")
+        check_shape(path, tree)
         if not any(glob_match(path, p) for p in self.policy.write_allowlist):
             raise GateRejected(
                 "path-not-allowlisted",
                 f"{path} is outside the write allowlist {list(self.policy.write_allowlist)}",
             )
 
-    def _check_patch(self, action: Action, tree: pygit2.Tree) -> None:
+    def _check_patch(self, action: Action, tree: pygit2.Tree, on_disk: bool) -> None:
         if not action.patch:
             raise GateRejected("malformed-action", "apply_patch needs a patch")
         patches = parse_patch(action.patch)
-        for raw in touched_paths(patches):
+        touched = touched_paths(patches)
+        for raw in touched:
             path = normalise_path(raw)
             if path != raw:
                 raise GateRejected("path-not-normal", f"patch path {raw} is not normalised")
-            self.check_path(path, tree)
+            self.check_path(path, tree, on_disk=on_disk)
+        _check_nested(touched)
         for fp in patches:
             old = trees.blob_bytes(self.repo, tree, fp.old_path) if fp.old_path else None
             if fp.old_path is None and fp.new_path and trees.entry(tree, fp.new_path) is not None:
                 raise GateRejected("patch-does-not-apply", f"{fp.new_path} already exists")
-            apply_file_patch(old, fp)
+            new = apply_file_patch(old, fp)
+            if fp.new_path is not None and fp.new_mode == trees.LINK:
+                self._check_link(fp.new_path, new or b"", tree, on_disk)
+
+    def _check_link(self, path: str, target: bytes, tree: pygit2.Tree, on_disk: bool) -> None:
+        """A new symlink: only if the policy allows them, and only to a path inside."""
+        if not self.policy.allow_symlinks:
+            raise GateRejected(
+                "symlink-not-allowed",
+                f"the patch makes {path} a symlink; policy {self.policy.id} does not allow "
+                "symlinks (allow_symlinks = true in [policy])",
+            )
+        where = link_target(path, target)
+        parts = where.split("/")
+        for i in range(1, len(parts)):
+            prefix = "/".join(parts[:i])
+            if trees.entry_mode(tree, prefix) == trees.LINK or (
+                on_disk and (self.worktree / prefix).is_symlink()
+            ):
+                raise GateRejected("symlink-escape", f"{path} points through the symlink {prefix}")
 
     def risk(self, action: Action) -> str | None:
         """The name of the first risk rule the action matches (it needs approval), or None."""

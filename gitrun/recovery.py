@@ -19,7 +19,7 @@ import pygit2
 
 from gitrun import trees
 from gitrun.codec import encode
-from gitrun.errors import EnvironmentDrift, ReceiptDrift
+from gitrun.errors import EnvironmentDrift, GateRejected, ReceiptDrift
 from gitrun.records import RunState
 from gitrun.runtime import Runtime
 
@@ -69,9 +69,13 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
         # Moved backwards or sideways: name that, not the receipts it made unreachable.
         raise _classify_drift(env.repo, checkpointed, tip.id)
     check_cached_receipt(rt, repair=apply)
+    skip = _own_leftovers(rt, apply=apply)
     if str(tip.id) == s.env.head:
-        _require_exact(rt, s)
-        return "exact" if s.pending is None else "intent-without-write"
+        _require_exact(rt, s, skip)
+        if s.pending is None:
+            return "exact"
+        env.check_writable(s.pending.action, tip.tree)  # a link in its way: refuse now
+        return "intent-without-write"
     if s.pending is not None and _is_pending_write(rt, tip):
         # Through the receipt index, not the tip alone: an index naming another commit
         # (the real receipt, lost to a history rewrite) is drift, and a missing index
@@ -90,9 +94,9 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
                 rt.open_review(receipt, "same idempotency key, different intent digest")
             return "conflict"
         if not apply:
-            env.repair_sync(check_only=True)
+            env.repair_sync(check_only=True, skip=skip)
             return "write-reconciled"
-        env.repair_sync()
+        env.repair_sync(rt.lease.fence)
         obs = env.observe(full=True)
         if obs.dirty:
             raise EnvironmentDrift(
@@ -103,8 +107,28 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
     raise _classify_drift(env.repo, pygit2.Oid(hex=s.env.head), tip.id)
 
 
-def _require_exact(rt: Runtime, s: RunState) -> None:
-    obs = rt.env.observe(full=True)
+def _own_leftovers(rt: Runtime, *, apply: bool) -> list[str]:
+    """gitrun's temp files a kill left next to the paths of the pending or last write:
+    removed under the lease (``apply``), else only named so the check passes over them."""
+    s = rt.state
+    paths: set[str] = set(s.receipts.last.paths) if s.receipts.last is not None else set()
+    if s.pending is not None:
+        tree = rt.env.repo.get(s.pending.precondition.tree)
+        try:
+            if isinstance(tree, pygit2.Tree):
+                paths |= set(rt.env.plan_changes(s.pending.action, tree, write=False))
+        except GateRejected:
+            pass  # the action will be abandoned; it wrote nothing
+    if not paths:
+        return []
+    if apply:
+        rt.env.remove_leftovers(paths, rt.lease.fence)
+        return []
+    return rt.env.leftovers(paths)
+
+
+def _require_exact(rt: Runtime, s: RunState, skip: list[str]) -> None:
+    obs = rt.env.observe(full=True, skip=skip)
     if obs.tree != s.env.tree:
         raise EnvironmentDrift("tree-changed", f"HEAD tree {obs.tree} is not {s.env.tree}")
     if obs.dirty:

@@ -18,7 +18,7 @@ from gitrun.agents import Finish, ScriptAgent
 from gitrun.approvals import Approvals
 from gitrun.checkpoint import CheckpointStore
 from gitrun.codec import encode
-from gitrun.environment import Approval, Environment
+from gitrun.environment import Environment
 from gitrun.errors import EnvironmentDrift, Frozen, GateRejected, GitrunError, ReceiptConflict
 from gitrun.gate import Gate
 from gitrun.lease import LeaseManager
@@ -186,20 +186,33 @@ class Runtime:
         self.commit(replace(s, cursor=s.cursor + 1, budgets=budgets).with_events(event))
 
     def execute_pending(self) -> None:
-        """Execute the pending intent with its own key (windows 2 and 3), then record it."""
+        """Execute the pending intent with its own key (windows 2 and 3), then record it.
+
+        A write not yet made is gated again first, against its precondition tree (and,
+        inside the adapter, against the disk as it is now): a policy rejection abandons
+        it, drift on disk refuses and leaves it pending for after the human's fix.
+        """
         s = self.state
         p = s.pending
         if p is None:
             raise GitrunError("no pending action to execute")
         if s.phase != RUNNING:
             raise Frozen(self.frozen_message())
-        approval: Approval | None = None
-        if p.risk is not None:
-            found = self.env.lookup(p.key, since=p.precondition.head)
-            if found is not None:
-                self.accept(found, replayed=True)
-                return
-            approval = self.approvals.binding(self, p)
+        found = self.env.lookup(p.key, since=p.precondition.head)
+        if found is not None:
+            self.accept(found, replayed=True)
+            return
+        tree = self.env.repo.get(p.precondition.tree)
+        if not isinstance(tree, pygit2.Tree):
+            raise EnvironmentDrift(
+                "tree-missing", f"the intent's tree {p.precondition.tree} is gone"
+            )
+        try:
+            self.gate.check_action(p.action, tree, on_disk=False)
+        except GateRejected as exc:
+            self._abandon(exc)
+            return
+        approval = self.approvals.binding(self, p) if p.risk is not None else None
         try:
             outcome = self.env.execute(
                 p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval
@@ -208,6 +221,17 @@ class Runtime:
             self.open_review(conflict.receipt, "same idempotency key, different intent digest")
             return
         self.accept(outcome.receipt, replayed=outcome.replayed)
+
+    def _abandon(self, exc: GateRejected) -> None:
+        """Drop a pending action the gate refuses at execute time: the run goes on."""
+        s = self.state
+        p = s.pending
+        if p is None:
+            raise GitrunError("no pending action to abandon")
+        data = {"rule": exc.rule, "message": exc.message, "action": p.action.summary()}
+        event = Event("gate_rejected", time.time(), {**data, "key": p.key, "at": "execute"})
+        self.say(f"gate rejected pending {p.action.summary()}: {exc.message}; abandoned")
+        self.commit(replace(s, pending=None).with_events(event))
 
     def accept(self, receipt: Receipt, replayed: bool) -> None:
         """Record a receipt, unless it cannot be reconciled without a human."""

@@ -28,7 +28,7 @@ _SHAPE: dict[str, tuple[set[str], set[str]]] = {
     "initial": (set(), {"repo", "message", "path", "commit"}),
     "policy": (
         {"id", "version", "allowed_actions", "write_allowlist"},
-        {"forbidden_paths", "risk"},
+        {"forbidden_paths", "risk", "allow_symlinks"},
     ),
     "verifier": ({"command", "fail_to_pass", "pass_to_pass"}, {"junit", "timeout_seconds"}),
     "budgets": ({"max_proposals", "max_steps", "max_wall_seconds"}, set()),
@@ -55,6 +55,7 @@ class Policy:
     write_allowlist: tuple[str, ...]
     forbidden_paths: tuple[str, ...]
     risk: tuple[RiskRule, ...]
+    allow_symlinks: bool = False  # a patch may create symlinks (that resolve inside)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class Task:
             "permissions": digest(list(p.allowed_actions)),
             "allowlist": digest(
                 {"allow": list(p.write_allowlist), "forbid": list(p.forbidden_paths)}
+                # only when on, so every scenario made before the option keeps its digest
+                | ({"symlinks": True} if p.allow_symlinks else {})
             ),
             "verifier": digest(self.verifier.to_json()),
             "budgets": digest(encode(self.budgets)),
@@ -204,6 +207,9 @@ def _policy(p: dict[str, Any], path: Path) -> Policy:
                 path, f"policy.allowed_actions: unknown action {kind!r}; known: {ACTION_KINDS}"
             )
     risk = p.get("risk", [])
+    symlinks = p.get("allow_symlinks", False)
+    if not isinstance(symlinks, bool):
+        raise _fail(path, "policy.allow_symlinks must be true or false")
     if not isinstance(risk, list):
         raise _fail(path, "policy.risk must be an array of tables [[policy.risk]]")
     return Policy(
@@ -213,6 +219,7 @@ def _policy(p: dict[str, Any], path: Path) -> Policy:
         write_allowlist=_strs(p, "write_allowlist", "policy", path),
         forbidden_paths=_strs(p, "forbidden_paths", "policy", path),
         risk=tuple(_risk(r, i, path) for i, r in enumerate(risk)),
+        allow_symlinks=symlinks,
     )
 
 

@@ -46,6 +46,17 @@ def entry_mode(tree: pygit2.Tree, path: str) -> int | None:
     return mode
 
 
+def entry_state(tree: pygit2.Tree, path: str) -> tuple[int, bytes] | None:
+    """(mode, bytes) of ``path`` in ``tree`` as :func:`gitrun.safefs.inspect` reports a
+    file on disk: blobs and links with their content, directories as (TREE, b"")."""
+    mode = entry_mode(tree, path)
+    if mode is None:
+        return None
+    obj = entry(tree, path)
+    data: bytes = obj.data if isinstance(obj, pygit2.Blob) else b""
+    return mode, data
+
+
 def blob_bytes(repo: pygit2.Repository, tree: pygit2.Tree, path: str) -> bytes | None:
     obj = entry(tree, path)
     if obj is None:
