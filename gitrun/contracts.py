@@ -157,18 +157,20 @@ class ReceiptStore(Protocol[Write_contra]):
       a fresh key cannot sit below it; None walks to the run's base). A receipt found in
       the history is written back to the index unless ``repair`` is False.
     - :meth:`append` is the commit point of a write. ``write`` is the store's prepared
-      write: for git, the oid of the write commit :meth:`gitrun.environment.Environment.execute`
-      built (trailers, tree, parent = the head it planned at); the append is then the one
-      fenced compare-and-swap of the run branch from ``expected`` to that commit, followed
-      by the (derived, repairable) index entry. A stale ``fence`` raises LeaseLost,
-      checked first. A key that already has a receipt (as :meth:`lookup` with
-      ``since=expected`` sees it) writes nothing: append returns that receipt when the
-      intent digest is the same (``replayed``) and raises
-      :class:`~gitrun.errors.ReceiptConflict` otherwise. A write not based on
-      ``expected`` raises ReceiptDrift ``not-a-write``; a head that moved raises
-      CasFailed. The caller looks the key up before it prepares the write (DESIGN.md §3
-      step 5): that is the
-      replay path; append's own check only makes a second receipt for a key impossible.
+      write. For git it is the oid of the write commit that
+      :meth:`gitrun.environment.Environment.execute` built (trailer block, tree, parent =
+      the head it planned at); append is then the one ref transaction that locks the
+      lease ref, refuses unless ``fence`` is current (plus any extra guard execute adds,
+      e.g. the approval's expiry), compares the run branch with ``expected`` and moves
+      it to that commit, followed by the index entry (derived, repairable). Refusals: a
+      stale ``fence`` raises LeaseLost before any head is compared or any receipt is
+      returned; a key that already has a receipt (as :meth:`lookup` with
+      ``since=expected`` sees it) writes nothing and returns it as ``replayed`` when the
+      intent digest is the same, or raises :class:`~gitrun.errors.ReceiptConflict`; a
+      write not based on ``expected`` raises ReceiptDrift ``not-a-write``; a head that
+      moved raises CasFailed. The caller looks the key up before it prepares the write
+      (DESIGN.md §3 step 5, the replay path); append's own bounded check is the last
+      line against a second receipt for one key.
     - :meth:`rebuild_index` rewrites the index entry of every receipt in the history and
       returns how many entries it wrote (entries already right are not rewritten).
     """
