@@ -193,6 +193,10 @@ class CheckpointStore:
             oid = parents[0] if parents else None
         return out
 
+    def head(self, ref: str) -> pygit2.Oid | None:
+        """The high-water mark: the checkpoint commit ``ref`` names, None when absent."""
+        return gitstore.read_ref(self.repo, ref)
+
 
 def _split(raw: bytes, oid: pygit2.Oid) -> tuple[bytes, bytes, dict[str, str]]:
     parts = raw.split(b"\n\n")

@@ -9,6 +9,7 @@ derived from it and repaired when a crash leaves them behind.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -28,11 +29,13 @@ from gitrun.errors import (
     GitrunError,
     LeaseLost,
     ReceiptConflict,
-    ReceiptDrift,
 )
-from gitrun.lease import Fence, fence_guard
+from gitrun.lease import Fence
 from gitrun.patch import apply_file_patch, parse_patch
-from gitrun.records import ADAPTER_NAMESPACE_PREFIX, ADAPTER_VERSION, Action, Precondition, Receipt
+from gitrun.receipts import GitReceiptLog
+from gitrun.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
+from gitrun.receipts import index_ref as index_ref  # noqa: PLC0414 - re-export for callers
+from gitrun.records import Action, Precondition, Receipt
 from gitrun.worktree import INDEX_BASE_FILE, WorktreeFiles
 
 INSTANCE_FILE = "gitrun-instance.json"
@@ -48,14 +51,6 @@ TRAILERS = (
     "Gitrun-Lease",
     "Gitrun-Approval",
 )
-
-
-def branch_ref(run_id: str) -> str:
-    return f"refs/heads/gitrun/{run_id}"
-
-
-def index_ref(run_id: str, key: str) -> str:
-    return f"refs/gitrun/runs/{run_id}/receipts/{key}"
 
 
 @dataclass(frozen=True)
@@ -186,101 +181,25 @@ class Environment(WorktreeFiles):
 
     # -- receipts ----------------------------------------------------------------------
 
+    @functools.cached_property
+    def receipt_log(self) -> GitReceiptLog:
+        """The run's receipt log (lookup, append, index); these methods delegate to it."""
+        return GitReceiptLog(self.repo, self.run_id)
+
     def receipt_of(self, commit: pygit2.Commit) -> Receipt | None:
         """The receipt a gitrun write commit carries, or None for any other commit."""
-        trailers = commit.message_trailers
-        if trailers.get("Gitrun-Run") != self.run_id or "Gitrun-Idempotency-Key" not in trailers:
-            return None
-        if len(commit.parents) != 1:
-            raise ReceiptDrift(
-                "not-a-write", f"commit {commit.id} has {len(commit.parents)} parents"
-            )
-        parent = commit.parents[0]
-        paths = sorted(trees.changed_paths(parent.tree, commit.tree))
-        try:
-            lease = int(trailers.get("Gitrun-Lease", "0"))
-        except ValueError as exc:
-            raise ReceiptDrift("trailer", f"commit {commit.id} has a bad Gitrun-Lease") from exc
-        return Receipt(
-            namespace=ADAPTER_NAMESPACE_PREFIX + self.branch,
-            version=ADAPTER_VERSION,
-            commit=str(commit.id),
-            key=trailers["Gitrun-Idempotency-Key"],
-            intent_digest=trailers.get("Gitrun-Intent-Digest", ""),
-            action=trailers.get("Gitrun-Action", ""),
-            parent=str(parent.id),
-            tree=str(commit.tree_id),
-            run_id=self.run_id,
-            instance_id=trailers.get("Gitrun-Instance", ""),
-            lease=lease,
-            approval=trailers.get("Gitrun-Approval", "none"),
-            committed_at=int(commit.commit_time),
-            paths=tuple(paths),
-        )
+        return self.receipt_log.receipt_of(commit)
 
     def lookup(self, key: str, since: str | None = None, *, repair: bool = True) -> Receipt | None:
-        """Find the receipt for ``key``: the index ref, then the history (the authority).
-
-        ``since`` bounds the history walk (the precondition HEAD of the pending intent);
-        without it the walk goes back to the run's base. A rebuilt index ref is written
-        unless ``repair`` is False (a read-only check).
-        """
-        tip = self.head()
-        indexed = gitstore.read_ref(self.repo, index_ref(self.run_id, key))
-        if indexed is not None:
-            return self._check_indexed(key, indexed, tip)
-        for commit in self._walk(tip, since):
-            receipt = self.receipt_of(commit)
-            if receipt is not None and receipt.key == key:
-                if repair:
-                    self._write_index(key, commit.id)
-                return receipt
-        return None
-
-    def _check_indexed(self, key: str, oid: pygit2.Oid, tip: pygit2.Commit) -> Receipt:
-        commit = self.repo.get(oid)
-        if not isinstance(commit, pygit2.Commit):
-            raise ReceiptDrift("index-dangling", f"receipt index for {key} points at no commit")
-        receipt = self.receipt_of(commit)
-        if receipt is None or receipt.key != key:
-            raise ReceiptDrift(
-                "index-mismatch",
-                f"receipt index for {key} points at {oid}, which is not its receipt",
-            )
-        if commit.id != tip.id and not self.repo.descendant_of(tip.id, commit.id):
-            raise ReceiptDrift(
-                "receipt-not-on-branch",
-                f"receipt {oid} for {key} is no longer on {self.branch} (history rewritten?)",
-            )
-        return receipt
-
-    def _walk(self, tip: pygit2.Commit, since: str | None) -> list[pygit2.Commit]:
-        out = []
-        commit: pygit2.Commit | None = tip
-        stop = pygit2.Oid(hex=since) if since else None
-        while commit is not None and commit.id != stop:
-            if self.receipt_of_trailers_only(commit) is None:
-                break  # reached the base: commits below are not this run's writes
-            out.append(commit)
-            commit = commit.parents[0] if commit.parents else None
-        return out
+        """Find the receipt for ``key`` (see :meth:`GitReceiptLog.lookup`)."""
+        return self.receipt_log.lookup(key, since, repair=repair)
 
     def receipt_of_trailers_only(self, commit: pygit2.Commit) -> str | None:
-        trailers = commit.message_trailers
-        if trailers.get("Gitrun-Run") != self.run_id:
-            return None
-        return trailers.get("Gitrun-Idempotency-Key")
-
-    def _write_index(self, key: str, oid: pygit2.Oid) -> None:
-        ref = index_ref(self.run_id, key)
-        current = gitstore.read_ref(self.repo, ref)
-        if current != oid:
-            gitstore.update_ref(self.repo, ref, current, oid, message="gitrun receipt index")
+        return self.receipt_log.key_of(commit)
 
     def receipts(self) -> list[Receipt]:
         """Every receipt on the branch, oldest first (reads history: for audit, not steps)."""
-        out = [self.receipt_of(c) for c in self._walk(self.head(), None)]
-        return [r for r in reversed(out) if r is not None]
+        return self.receipt_log.receipts()
 
     # -- writing -----------------------------------------------------------------------
 
@@ -319,21 +238,11 @@ class Environment(WorktreeFiles):
             sorted(changes),
         )
         faults.point("after_write_commit_object")
-        guards = [fence_guard(self.repo, self.run_id, fence)]
-        if approval is not None:
-            guards.append(gitstore.Guard(self.branch, _expiry_check(approval)))
-        gitstore.update_ref(
-            self.repo,
-            self.branch,
-            head.id,
-            oid,
-            guards=guards,
-            message=f"gitrun write {key}",
-            what="branch",
-            crash_prefix="write_ref",
-        )
+        expiry = [gitstore.Guard(self.branch, _expiry_check(approval))] if approval else []
+        appended = self.receipt_log.append(oid, str(head.id), fence, guards=expiry)
+        if appended.replayed:
+            return Outcome(appended.receipt, replayed=True)
         self.write_count += 1
-        self._write_index(key, oid)
         faults.point("after_receipt_index")
         commit = self.repo[oid]
         if not isinstance(commit, pygit2.Commit):
@@ -342,10 +251,7 @@ class Environment(WorktreeFiles):
         # open file; nesting it inside the ref transaction would deadlock this process).
         self.sync_files(head.tree, commit.tree, changes, fence)
         faults.point("after_file_sync")
-        receipt = self.receipt_of(commit)
-        if receipt is None:
-            raise GitrunError(f"commit {oid} carries no receipt")
-        return Outcome(receipt, replayed=False)
+        return Outcome(appended.receipt, replayed=False)
 
     def _check_precondition(self, head: pygit2.Commit, pre: Precondition) -> None:
         instance = self.instance_id()

@@ -1,0 +1,1 @@
+"""The store conformance suite: the same tests against every implementation of each contract."""
