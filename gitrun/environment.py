@@ -30,7 +30,7 @@ from gitrun.errors import (
     LeaseLost,
     ReceiptConflict,
 )
-from gitrun.lease import Fence
+from gitrun.lease import Fence, fence_guard
 from gitrun.patch import apply_file_patch, parse_patch
 from gitrun.receipts import GitReceiptLog
 from gitrun.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
