@@ -127,7 +127,9 @@ class CheckpointStore:
         """The ref moved: advance the witness (one in-place slot write, fdatasync'd).
 
         Generation 1 creates it. Otherwise it must hold the parent we advanced from, or
-        already this checkpoint (a concurrent load rolled it forward)."""
+        already this checkpoint (a concurrent load rolled it forward). A witness already
+        past us means a new lease holder carried on while we stalled: the witness never
+        moves back, and our next fenced write fails with LeaseLost."""
         if self.witness is None:
             return
         mark = Mark(state.run_id, ref, state.generation, str(oid))
@@ -135,9 +137,12 @@ class CheckpointStore:
             if state.generation == 1 and expected is None:
                 self.witness.write(mark)
                 return
-            path = self.witness.path(state.run_id)
+            reading = self.witness.read(state.run_id)
+            ahead = reading.mark if reading is not None else None
+            if ahead is not None and ahead.ref == ref and ahead.generation > state.generation:
+                return
             parent = str(expected) if expected is not None else None
-            if admit(path, self.witness.read(state.run_id), mark, parent):
+            if admit(self.witness.path(state.run_id), reading, mark, parent):
                 self.witness.write(mark)
 
     def load(
@@ -221,19 +226,7 @@ class CheckpointStore:
 
     def witnessed(self, run_id: str) -> str:
         """What the witness says a missing checkpoint ref held, for a refusal message."""
-        if self.witness is None:
-            return ""
-        try:
-            reading = self.witness.read(run_id)
-        except CheckpointRejected:
-            return ""
-        if reading is None or reading.mark is None:
-            return ""
-        mark = reading.mark
-        return (
-            f" (the witness records generation {mark.generation}: restore it with "
-            f"`git update-ref {mark.ref} {mark.commit}`)"
-        )
+        return "" if self.witness is None else self.witness.hint(run_id)
 
     def read(self, ref: str, oid: pygit2.Oid) -> Stored:
         """Verify one checkpoint commit's signature and decode it (no scenario check)."""

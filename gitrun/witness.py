@@ -144,6 +144,20 @@ class Witness:
             raise _forged(self.path(run_id), f"slot {'AB'[index]} does not verify")
         return mark
 
+    def hint(self, run_id: str) -> str:
+        """What the witness says a missing checkpoint ref held (for a refusal), or ""."""
+        try:
+            reading = self.read(run_id)
+        except CheckpointRejected:
+            return ""
+        if reading is None or reading.mark is None:
+            return ""
+        mark = reading.mark
+        return (
+            f" (the witness records generation {mark.generation}: restore it with "
+            f"`git update-ref {mark.ref} {mark.commit}`)"
+        )
+
     # -- writing -----------------------------------------------------------------------
 
     def write(self, mark: Mark) -> None:
