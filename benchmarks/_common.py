@@ -285,14 +285,16 @@ def start_run(
     lease_seconds: float = 3600.0,
     worker: str = "bench-worker",
     witness: bool = True,
+    witness_dir: Path | None = None,
 ) -> Run:
     """What ``gitrun run`` sets up (lease, worktree, first checkpoint), without the loop.
 
-    With ``witness`` (as the service always has) the freshness witness lives beside the
-    keyring's directory, where a workspace keeps it: ``<home>/witness/<run>``."""
+    With ``witness`` (as the service always has) the freshness witness lives in
+    ``witness_dir``, by default beside the keyring's directory, where a workspace keeps
+    it (``<home>/witness/<run>``). Runs of one run id need one directory each."""
     keyring = load_keyring(key_file)
-    witness_dir = key_file.parent.parent / "witness"
-    store = CheckpointStore(repo, keyring, Witness(witness_dir, keyring) if witness else None)
+    where = witness_dir or key_file.parent.parent / "witness"
+    store = CheckpointStore(repo, keyring, Witness(where, keyring) if witness else None)
     lease = LeaseManager(repo, run_id, worker, lease_seconds)
     lease.acquire(0)
     env = Environment.create(repo, run_id, base, worktree, f"{task.id}@{task.version}")
