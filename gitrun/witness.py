@@ -32,6 +32,7 @@ from gitrun.keys import Keyring
 DOMAIN = b"gitrun-witness/1\n"
 VERSION = 1
 SLOT_SIZE = 1024
+TEAR_AT = 128  # where the crash point splits a slot write: inside every record
 LOCK_TIMEOUT_SECONDS = 30.0
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -170,12 +171,11 @@ class Witness:
         fd = os.open(path, os.O_WRONLY)
         try:
             offset = (mark.generation % 2) * SLOT_SIZE
-            half = SLOT_SIZE // 2
-            # Two writes so the crash matrix can cut one short: a torn slot is a case
-            # the reader handles, never a hypothetical.
-            os.pwrite(fd, slot[:half], offset)
+            # Two writes, cut inside the record, so the crash matrix can tear a slot for
+            # real: a torn slot is a case the reader handles, never a hypothetical.
+            os.pwrite(fd, slot[:TEAR_AT], offset)
             faults.point("checkpoint_witness_torn")
-            os.pwrite(fd, slot[half:], offset + half)
+            os.pwrite(fd, slot[TEAR_AT:], offset + TEAR_AT)
             os.fdatasync(fd)
         finally:
             os.close(fd)
@@ -203,9 +203,9 @@ class Witness:
         data = slots[0] + slots[1]
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, data[: len(data) - SLOT_SIZE // 2])
+            os.write(fd, data[: SLOT_SIZE + TEAR_AT])
             faults.point("checkpoint_witness_torn")
-            os.write(fd, data[len(data) - SLOT_SIZE // 2 :])
+            os.write(fd, data[SLOT_SIZE + TEAR_AT :])
             os.fsync(fd)
         finally:
             os.close(fd)
