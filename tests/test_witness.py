@@ -381,3 +381,21 @@ def test_a_run_killed_around_the_witness_write_resumes_like_an_uninterrupted_run
         git(ws.repo, "rev-parse", ws.ref()).strip(),
     )
     assert not list(ws.witness.parent.glob(".*.tmp-*"))  # no scratch file left behind
+
+
+def test_after_a_key_rotation_the_old_witness_still_verifies_and_still_refuses_a_rollback(
+    ws: Ws,
+) -> None:
+    old = {s["key_id"] for s in ws.slots()}
+    rotated = ws.cli("keys", "rotate")
+    assert rotated.code == 0, rotated.err
+    ok = ws.cli("checkpoint", "verify", RUN)
+    assert ok.code == 0, ok.err
+    ref = ws.ref()
+    top = ws.generation(ref)
+    git(ws.repo, "update-ref", ref, f"{ref}^")
+    _both_refuse(ws, "rolled-back", f"generation {top - 1} ", f"generation {top} ")
+    anchored = ws.cli("checkpoint", "rewitness", RUN, "--generation", str(top - 1))
+    assert anchored.code == 0, anchored.err
+    new = {s["key_id"] for s in ws.slots()}
+    assert new.isdisjoint(old)  # re-signed with the active key, whose id is recorded
