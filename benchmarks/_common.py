@@ -56,6 +56,7 @@ from gitrun.lease import LeaseManager  # noqa: E402
 from gitrun.records import Action  # noqa: E402
 from gitrun.runtime import Runtime, begin  # noqa: E402
 from gitrun.task import Task, load_task  # noqa: E402
+from gitrun.witness import Witness  # noqa: E402
 
 gitstore.configure_git()
 
@@ -283,9 +284,17 @@ def start_run(
     actions: tuple[Action, ...] = (),
     lease_seconds: float = 3600.0,
     worker: str = "bench-worker",
+    witness: bool = True,
+    witness_dir: Path | None = None,
 ) -> Run:
-    """What ``gitrun run`` sets up (lease, worktree, first checkpoint), without the loop."""
-    store = CheckpointStore(repo, load_keyring(key_file))
+    """What ``gitrun run`` sets up (lease, worktree, first checkpoint), without the loop.
+
+    With ``witness`` (as the service always has) the freshness witness lives in
+    ``witness_dir``, by default beside the keyring's directory, where a workspace keeps
+    it (``<home>/witness/<run>``). Runs of one run id need one directory each."""
+    keyring = load_keyring(key_file)
+    where = witness_dir or key_file.parent.parent / "witness"
+    store = CheckpointStore(repo, keyring, Witness(where, keyring) if witness else None)
     lease = LeaseManager(repo, run_id, worker, lease_seconds)
     lease.acquire(0)
     env = Environment.create(repo, run_id, base, worktree, f"{task.id}@{task.version}")

@@ -101,6 +101,7 @@ def measure(
                         worktree=root / f"wt-{run_id}",
                         key_file=key_file,
                         actions=actions,
+                        witness_dir=root / "witness",  # run ids repeat across layouts
                     )
                     stepper = (
                         AdapterWriter(run, actions) if kind == "adapter" else RuntimeStepper(run)

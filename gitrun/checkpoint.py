@@ -5,6 +5,11 @@ whose parent is the previous checkpoint and whose tree is the empty tree: the pa
 (canonical JSON of a :class:`RunState`) and its HMAC ride in the commit message. The
 commit object is written first (an orphan is harmless); the single ref update from the
 previous checkpoint to the new one then commits content and high-water mark at once.
+
+A signature proves authenticity, not freshness: with a :class:`~gitrun.witness.Witness`
+(the service always gives one) every advance then records the new high-water mark
+outside the repository too, and :meth:`CheckpointStore.load` accepts the ref only if it
+is that mark or its one successor from the crash window between the two writes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from gitrun.keys import Keyring
 from gitrun.lease import Fence, fence_guard
 from gitrun.records import SCHEMA_VERSION, RunState
 from gitrun.validate import validate_state
+from gitrun.witness import Mark, Witness, admit
 
 SIGNATURE_DOMAIN = b"gitrun-checkpoint/1\n"
 SIGNER = pygit2.Signature("gitrun", "gitrun@localhost", 0, 0)
@@ -30,6 +36,14 @@ EMPTY_TREE = pygit2.Oid(hex="4b825dc642cb6eb9a060e54bf8d69288fbee4904")  # git's
 
 def checkpoint_ref(run_id: str, task_id: str, instance_id: str) -> str:
     return f"refs/gitrun/runs/{run_id}/checkpoints/{task_id}/{instance_id}"
+
+
+def run_of_ref(ref: str) -> str:
+    """The run id a checkpoint ref names (``refs/gitrun/runs/<run>/checkpoints/...``)."""
+    parts = ref.split("/")
+    if len(parts) < 6 or parts[:3] != ["refs", "gitrun", "runs"] or parts[4] != "checkpoints":
+        raise CheckpointRejected("wrong-run", f"{ref} is not a gitrun checkpoint ref")
+    return parts[3]
 
 
 def find_checkpoint_refs(repo: pygit2.Repository, run_id: str) -> list[str]:
@@ -63,9 +77,12 @@ def _message(state: RunState, payload: bytes, key_id: str, mac: str) -> bytes:
 class CheckpointStore:
     """Advance and load one run's checkpoint chain."""
 
-    def __init__(self, repo: pygit2.Repository, keyring: Keyring) -> None:
+    def __init__(
+        self, repo: pygit2.Repository, keyring: Keyring, witness: Witness | None = None
+    ) -> None:
         self.repo = repo
         self.keyring = keyring
+        self.witness = witness
         self._empty_tree: pygit2.Oid | None = None
 
     def empty_tree(self) -> pygit2.Oid:
@@ -100,7 +117,33 @@ class CheckpointStore:
             what=f"checkpoint generation {state.generation}",
             crash_prefix="checkpoint_ref",
         )
+        if self.witness is not None:
+            self._witness_advance(ref, state, oid, expected)
         return oid
+
+    def _witness_advance(
+        self, ref: str, state: RunState, oid: pygit2.Oid, expected: pygit2.Oid | None
+    ) -> None:
+        """The ref moved: advance the witness (one in-place slot write, fdatasync'd).
+
+        Generation 1 creates it. Otherwise it must hold the parent we advanced from, or
+        already this checkpoint (a concurrent load rolled it forward). A witness already
+        past us means a new lease holder carried on while we stalled: the witness never
+        moves back, and our next fenced write fails with LeaseLost."""
+        if self.witness is None:
+            return
+        mark = Mark(state.run_id, ref, state.generation, str(oid))
+        with self.witness.locked(state.run_id):
+            if state.generation == 1 and expected is None:
+                self.witness.write(mark)
+                return
+            reading = self.witness.read(state.run_id)
+            ahead = reading.mark if reading is not None else None
+            if ahead is not None and ahead.ref == ref and ahead.generation > state.generation:
+                return
+            parent = str(expected) if expected is not None else None
+            if admit(self.witness.path(state.run_id), reading, mark, parent):
+                self.witness.write(mark)
 
     def load(
         self,
@@ -115,10 +158,30 @@ class CheckpointStore:
         checkpoint. ``offered`` is a checkpoint commit someone asks us to resume from:
         it must equal the high-water mark.
         """
+        if self.witness is None:
+            return self._load(ref, scenario_parts, offered)
+        run_id = run_of_ref(ref)
+        with self.witness.locked(run_id):
+            # Under the witness lock the witness cannot move, and a live writer can move
+            # the ref at most one generation past it: ref and witness are read together.
+            stored = self._load(ref, scenario_parts, offered)
+            parents = self._commit(stored.oid).parent_ids
+            here = Mark(stored.state.run_id, ref, stored.state.generation, str(stored.oid))
+            parent = str(parents[0]) if parents else None
+            path = self.witness.path(run_id)
+            if admit(path, self.witness.read(run_id), here, parent):
+                self.witness.write(here)
+        return stored
+
+    def _load(
+        self, ref: str, scenario_parts: dict[str, str] | None, offered: pygit2.Oid | None
+    ) -> Stored:
         head = gitstore.read_ref(self.repo, ref)
         if head is None:
             raise CheckpointRejected(
-                "high-water-mark-missing", f"{ref} does not exist; no checkpoint can be trusted"
+                "high-water-mark-missing",
+                f"{ref} does not exist; no checkpoint can be trusted"
+                + self.witnessed(run_of_ref(ref)),
             )
         if offered is not None and offered != head:
             raise CheckpointRejected(
@@ -131,6 +194,39 @@ class CheckpointStore:
         if scenario_parts is not None:
             _check_scenario(state, scenario_parts)
         return stored
+
+    def rewitness(self, ref: str, generation: int) -> Stored:
+        """A human's recovery: anchor the witness at the checkpoint ``ref`` holds now.
+
+        For a repository restored from a backup on purpose (or a lost witness file). The
+        checkpoint must verify, and ``generation`` must be its generation, typed by the
+        human: what the rollback brings back (consumed nonces included) is their call.
+        """
+        from gitrun.errors import BadInput
+
+        if self.witness is None:
+            raise GitrunError("this checkpoint store has no witness to anchor")
+        head = gitstore.read_ref(self.repo, ref)
+        if head is None:
+            raise CheckpointRejected("high-water-mark-missing", f"{ref} does not exist")
+        run_id = run_of_ref(ref)
+        with self.witness.locked(run_id):
+            stored = self.read(ref, head)
+            if stored.state.generation != generation:
+                raise BadInput(
+                    f"{ref} is at generation {stored.state.generation}, not {generation}; "
+                    "pass the generation you accept as the newest"
+                )
+            parents = self._commit(head).parent_ids
+            parent = None
+            if parents:
+                parent = Mark(run_id, ref, generation - 1, str(parents[0]))
+            self.witness.reset(Mark(run_id, ref, generation, str(head)), parent)
+        return stored
+
+    def witnessed(self, run_id: str) -> str:
+        """What the witness says a missing checkpoint ref held, for a refusal message."""
+        return "" if self.witness is None else self.witness.hint(run_id)
 
     def read(self, ref: str, oid: pygit2.Oid) -> Stored:
         """Verify one checkpoint commit's signature and decode it (no scenario check)."""
@@ -297,4 +393,5 @@ __all__ = [
     "checkpoint_ref",
     "find_checkpoint_refs",
     "next_state",
+    "run_of_ref",
 ]

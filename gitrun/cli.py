@@ -201,6 +201,24 @@ def checkpoint_verify(
     )
 
 
+@checkpoint_app.command("rewitness")
+def checkpoint_rewitness(
+    run_id: str,
+    generation: Annotated[
+        int, typer.Option("--generation", help="The generation the ref holds, typed to confirm.")
+    ],
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+) -> None:
+    """Accept the checkpoint the ref holds now as the newest (a restored backup, a lost
+    witness). Consumed approvals and quarantined keys of later generations come back."""
+    stored = service.rewitness(run_id, _options(workspace, key_file), generation)
+    typer.echo(
+        f"ok: run {run_id} witness anchored at generation {stored.state.generation} "
+        f"({stored.state.phase}, {str(stored.oid)[:12]}); later generations are forgotten"
+    )
+
+
 @debug_app.command("crash-points")
 def crash_points() -> None:
     """List the named crash points for GITRUN_CRASH_AT=<point>[:<nth>]."""

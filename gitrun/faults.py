@@ -28,7 +28,9 @@ POINTS: dict[str, str] = {
     "mid_file_sync": "window 3: some worktree files synced, others not",
     "after_file_sync": "window 3: files synced, receipt not in the checkpoint",
     "checkpoint_ref_locked": "inside the checkpoint ref transaction: lock held, nothing moved",
-    "checkpoint_ref_moved": "window 4: checkpoint advanced, the process has not acted on it",
+    "checkpoint_ref_moved": "window 4: checkpoint ref advanced, its witness not yet",
+    "checkpoint_witness_torn": "window 4: the witness slot half written (a torn write)",
+    "checkpoint_witness_written": "window 4: ref and witness advanced, not yet acted on",
     "before_verify": "before the verifier runs; all writes are recorded",
     "after_verify": "the verifier passed or failed, its event not yet checkpointed",
 }

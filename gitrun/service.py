@@ -24,6 +24,7 @@ from gitrun.keys import load_keyring
 from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, read_lease
 from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
 from gitrun.task import Task, load_task
+from gitrun.witness import Witness
 from gitrun.workspace import RunRecord, Workspace, check_run_id, new_run_id, user_repo
 
 if TYPE_CHECKING:
@@ -118,8 +119,10 @@ def start(
 
 
 def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
-    """The checkpoint store of an existing run: its keyring must exist (never made here)."""
-    return CheckpointStore(repo, load_keyring(ws.key_file, create=False))
+    """The checkpoint store of an existing run: its keyring must exist (never made here).
+    Always with the workspace's freshness witness: a signature alone proves no freshness."""
+    keyring = load_keyring(ws.key_file, create=False)
+    return CheckpointStore(repo, keyring, Witness(ws.witness_dir, keyring))
 
 
 def _setup_and_run(
@@ -208,7 +211,8 @@ def load_verified(opened: Opened, *, check_scenario: bool = True) -> tuple[str, 
         raise CheckpointRejected(
             "high-water-mark-missing",
             f"run {opened.record.run_id} has no checkpoint ref under refs/gitrun/runs/"
-            f"{opened.record.run_id}/checkpoints/; nothing can be trusted",
+            f"{opened.record.run_id}/checkpoints/; nothing can be trusted"
+            + opened.store.witnessed(opened.record.run_id),
         )
     parts = (
         _base_parts(opened.task, opened.repo, opened.record.base_commit) if check_scenario else None
@@ -324,7 +328,11 @@ def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunStat
 
 
 def _never_started(opened: Opened) -> bool:
-    """No checkpoint was ever written: the branch is absent or still at the base."""
+    """No checkpoint was ever written: the branch is absent or still at the base, and
+    no witness exists (a deleted checkpoint ref must not restart the run from scratch)."""
+    witness = opened.store.witness
+    if witness is not None and witness.path(opened.record.run_id).exists():
+        return False
     tip = gitstore.read_ref(opened.repo, opened.record.branch)
     return tip is None or str(tip) == opened.record.base_commit
 
@@ -437,6 +445,15 @@ def verify(run_id: str, opts: Options, task_dir: Path | None) -> Stored:
     opened = open_run(run_id, opts, task_dir)
     _, stored = load_verified(opened)
     return stored
+
+
+def rewitness(run_id: str, opts: Options, generation: int) -> Stored:
+    """Accept the checkpoint the ref holds now as the newest (after restoring a backup)."""
+    opened = open_run(run_id, opts)
+    ref = _the_ref(opened)
+    if ref is None:
+        raise CheckpointRejected("high-water-mark-missing", f"run {run_id} has no checkpoint ref")
+    return opened.store.rewitness(ref, generation)
 
 
 def approve(

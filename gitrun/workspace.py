@@ -4,9 +4,12 @@
 ``<home>/worktrees/<run_id>/`` each run's git worktree
 ``<home>/runs/<run_id>.json`` the run registry: where the run's repository and task are
 ``<home>/keys/checkpoint.keyring`` the HMAC keyring (0600), unless a key file is given
+``<home>/witness/<run_id>``     each run's freshness witness: its high-water mark, MAC'd
 
 The registry is a locator only. Everything authoritative is in git: the branch, the
-receipts, the signed checkpoint chain and the lease, all under the repository.
+receipts, the signed checkpoint chain and the lease, all under the repository. The
+witness is the exception, on purpose: whoever can write the repository's refs can roll
+them back, so the newest generation is witnessed out here too (:mod:`gitrun.witness`).
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ class Workspace:
         self.key_file = key_file or (
             Path(env_key) if env_key else self.root / "keys" / "checkpoint.keyring"
         )
+
+    @property
+    def witness_dir(self) -> Path:
+        """Where each run's freshness witness lives (outside every repository)."""
+        return self.root / "witness"
 
     def worktree_path(self, run_id: str) -> Path:
         return self.root / "worktrees" / run_id

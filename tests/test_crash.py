@@ -179,7 +179,7 @@ class Baseline:
         """How often an uninterrupted run reaches ``point`` (the step protocol, DESIGN.md §3)."""
         if point == "before_propose":
             return self.proposals + self.verified  # each plan step, then the one that finishes
-        if point.startswith("checkpoint_ref_"):
+        if point.startswith(("checkpoint_ref_", "checkpoint_witness_")):
             return self.checkpoints
         if point in ("before_verify", "after_verify"):
             return int(self.verified)
