@@ -32,6 +32,7 @@ from gitrun.recovery import reconcile
 from gitrun.runtime import Runtime, begin
 from gitrun.show import action_diff, commit_diff, side_by_side
 from gitrun.task import Task, load_task
+from gitrun.verifier import Secrets
 from gitrun.workspace import RunRecord, Workspace, check_run_id, new_run_id, user_repo
 
 
@@ -47,10 +48,16 @@ class Options:
     takeover_after: float | None = None
     say: Callable[[str], None] = _quiet
     trust_roots: Path | None = None
+    isolation: str | None = None  # --isolation: overrides the task's [verifier] isolation
 
     @property
     def approvals(self) -> Approvals:
         return Approvals(load_trust_roots(self.trust_roots) if self.trust_roots else None)
+
+    @property
+    def secrets(self) -> Secrets:
+        """What the code under test must never see: this workspace and its keyring."""
+        return Secrets((self.workspace.root,), (self.workspace.key_file,))
 
 
 @dataclass
@@ -149,6 +156,8 @@ def _setup_and_run(
             scenario_parts=_base_parts(task, repo, record.base_commit),
             say=opts.say,
             approvals=opts.approvals,
+            isolation=opts.isolation,
+            secrets=opts.secrets,
         )
         opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
         return _drive(rt)
@@ -270,6 +279,8 @@ def _runtime(
         stored.oid,
         opts.say,
         opts.approvals,
+        opts.isolation,
+        opts.secrets,
     )
 
 
@@ -378,6 +389,7 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
             "pending": None,
             "receipts": [],
             "verifier": None,
+            "isolation": None,
         }
     s = stored.state
     return {
@@ -401,6 +413,7 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
         },
         "receipts": [encode(r) for r in opened.env.receipts()],
         "verifier": None if s.verifier is None else encode(s.verifier),
+        "isolation": None if s.verifier is None else s.verifier.isolation,
         "budgets": encode(s.budgets),
         "review": None if s.review is None else encode(s.review),
     }
