@@ -309,9 +309,8 @@ class Runtime:
                 "head-moved", f"HEAD {obs.head} is not the last write {self.state.env.head}"
             )
         confinement = self._confinement()
-        self.say(
-            f"verifier: {' '.join(self.task.verifier.command)} (isolation: {confinement.kind})"
-        )
+        where = f"bwrap, network {confinement.network}" if confinement.confined else "none"
+        self.say(f"verifier: {' '.join(self.task.verifier.command)} (isolation: {where})")
         try:
             result, made = verify_tree(
                 self.task.verifier,
@@ -390,7 +389,8 @@ class Runtime:
                 **encode(event),
                 "exit_code": None if result is None else result.exit_code,
                 "timed_out": result is not None and result.timed_out,
-                "network": confinement.network if confinement.confined else "host",
+                "network": confinement.network,
+                **({} if confinement.confined else {"unconfined_because": confinement.reason}),
             },
         )
         self.commit(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from gitrun.errors import BadInput, GitrunError
+from gitrun.errors import BadInput, Exit, GitrunError
 
 AUTO = "auto"
 REQUIRED = "required"
@@ -51,9 +51,13 @@ _warned: list[str] = []
 class SandboxUnavailable(GitrunError):
     """Isolation ``required``, but bubblewrap cannot run here; nothing was run."""
 
+    exit_code = Exit.REFUSED
+
 
 class SandboxFailed(GitrunError):
     """bubblewrap could not set the sandbox up for this command; nothing was judged."""
+
+    exit_code = Exit.REFUSED
 
 
 class CommandCannotStart(BadInput):
@@ -290,36 +294,52 @@ class Supervised:
     proc: subprocess.Popen[bytes]
     alive_fd: int  # the write end only gitrun holds; closing it kills the command's tree
     status_fd: int
+    confined: bool
+    status: str | None = None  # what the supervisor reported, once it has exited
 
     def exited(self) -> bool:
         return self.proc.poll() is not None
 
     def stop(self) -> None:
-        """Kill the command's whole tree (through the supervisor) and reap it."""
-        with contextlib.suppress(OSError):
+        """Kill the command's whole tree (through the supervisor), reap it, read its report."""
+        if self.alive_fd >= 0:
             os.close(self.alive_fd)
-        self.alive_fd = -1
+            self.alive_fd = -1
         try:
             self.proc.wait(timeout=_STOP_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        if self.status is None:
+            self.status = self._read_status()
+        pid = self._reported("started")
+        if not self.confined and pid and not self._reported("exit"):
+            # The supervisor died before it could sweep (a hostile test may kill it):
+            # the command's process group is still ours to end. Inside bwrap the pid
+            # namespace has already taken every process with it.
+            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                os.killpg(int(pid), signal.SIGKILL)
 
     def outcome(self) -> tuple[bool, int | None, str]:
-        """(started, exit code, why it could not start) as the supervisor reported them."""
-        lines = self._status().splitlines()
-        for line in lines:
-            word, _, rest = line.partition(" ")
-            if word == "error":
-                return False, None, rest
-        for line in lines:
-            word, _, rest = line.partition(" ")
-            if word == "exit":
-                return True, int(rest), ""
-        return any(line.startswith("started ") for line in lines), None, ""
+        """(started, exit code, why it could not start), as the supervisor reported them."""
+        if self.status is None:
+            raise GitrunError("the supervised command has not been stopped yet")
+        error = self._reported("error")
+        if error is not None:
+            return False, None, error
+        code = self._reported("exit")
+        started = self._reported("started") is not None
+        return started, None if code is None else int(code), ""
 
-    def _status(self) -> str:
+    def _reported(self, word: str) -> str | None:
+        for line in (self.status or "").splitlines():
+            head, _, rest = line.partition(" ")
+            if head == word:
+                return rest
+        return None
+
+    def _read_status(self) -> str:
         flags = fcntl.fcntl(self.status_fd, fcntl.F_GETFL)
         fcntl.fcntl(self.status_fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
         chunks = []
@@ -362,4 +382,4 @@ def spawn(
         for fd in (alive_r, status_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-    return Supervised(proc, alive_w, status_r)
+    return Supervised(proc, alive_w, status_r, confinement.confined)

@@ -25,15 +25,15 @@ from pathlib import Path
 import pytest
 from conftest import Gitrun, git, snapshot
 
+from gitrun import sandbox
+
 pytestmark = pytest.mark.timeout(120)
 
 
 def _bwrap_usable() -> bool:
+    """Whether gitrun's own probe (the flags its sandbox uses) passes on this machine."""
     found = shutil.which("bwrap")
-    if found is None:
-        return False
-    probe = subprocess.run([found, "--ro-bind", "/", "/", "true"], capture_output=True, check=False)
-    return probe.returncode == 0
+    return found is not None and sandbox.bwrap_works(found)
 
 
 BWRAP_USABLE = _bwrap_usable()
@@ -558,3 +558,74 @@ def test_the_verifiers_whole_process_tree_dies_when_gitrun_is_killed(
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+# -- the materialisation itself ------------------------------------------------------------
+
+
+def test_the_scratch_tree_comes_from_git_objects_with_modes_and_links_and_no_repo_filters(
+    tmp_path: Path,
+) -> None:
+    import pygit2
+
+    from gitrun.materialise import materialise
+
+    repo_dir = tmp_path / "r"
+    (repo_dir / "sub").mkdir(parents=True)
+    (repo_dir / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (repo_dir / "run.sh").chmod(0o755)
+    (repo_dir / "crlf.txt").write_bytes(b"a\r\nb\r\n")
+    (repo_dir / "sub" / "deep.txt").write_text("deep\n")
+    os.symlink("run.sh", repo_dir / "link")
+    os.symlink("/etc/passwd", repo_dir / "outside")
+    git(repo_dir, "init", "-q")
+    git(repo_dir, "add", "-A")
+    git(repo_dir, "update-index", "--add", "--cacheinfo", f"160000,{'1' * 40},mod")
+    tree_id = git(repo_dir, "write-tree").strip()
+    # What an agent could add to the shared config and info/attributes: never applied.
+    info = common_dir(repo_dir) / "info"
+    info.mkdir(exist_ok=True)
+    (info / "attributes").write_text("* filter=evil eol=crlf\n")
+    git(repo_dir, "config", "filter.evil.smudge", "echo HACKED")
+    dest = tmp_path / "scratch" / "tree"
+    dest.parent.mkdir()
+
+    made = materialise(pygit2.Repository(str(repo_dir)), pygit2.Oid(hex=tree_id), dest)
+
+    assert made == tree_id
+    assert (dest / "crlf.txt").read_bytes() == b"a\r\nb\r\n"
+    assert (dest / "sub" / "deep.txt").read_text() == "deep\n"
+    assert os.stat(dest / "run.sh").st_mode & 0o111
+    assert not os.stat(dest / "crlf.txt").st_mode & 0o111
+    assert os.readlink(dest / "link") == "run.sh"
+    assert os.readlink(dest / "outside") == "/etc/passwd"
+    assert (dest / "mod").is_dir()
+    assert list((dest / "mod").iterdir()) == []
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "crlf.txt", "link", "mod", "outside", "run.sh", "sub",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [".GIT", ".."])
+def test_a_tree_entry_git_would_not_check_out_is_refused(tmp_path: Path, name: str) -> None:
+    import pygit2
+
+    from gitrun.materialise import UnsafeTree, materialise
+
+    repo_dir = tmp_path / "r"
+    git(tmp_path, "init", "-q", str(repo_dir))
+    blob = subprocess.run(
+        ["git", "-C", str(repo_dir), "hash-object", "-w", "--stdin"],
+        input="[core]\n", capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    tree = subprocess.run(
+        ["git", "-C", str(repo_dir), "mktree"],
+        input=f"100644 blob {blob}\t{name}\n", capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    dest = tmp_path / "scratch" / "tree"
+    dest.parent.mkdir()
+
+    with pytest.raises(UnsafeTree, match="would not check out"):
+        materialise(pygit2.Repository(str(repo_dir)), pygit2.Oid(hex=tree), dest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "r", "scratch"]
+    assert list(dest.iterdir()) == []
