@@ -177,13 +177,18 @@ class Layout:
     secrets: tuple[Path, ...]  # directories to replace by an empty tmpfs
     secret_files: tuple[Path, ...]  # files whose directory cannot be hidden (e.g. a key file)
     chdir: Path
+    blank: Path | None = None  # an empty file bound over each of ``secret_files``
 
     @classmethod
     def of(
         cls, writable: Sequence[Path], secret_dirs: Sequence[Path], secret_files: Sequence[Path],
-        chdir: Path,
+        chdir: Path, blank: Path | None = None,
     ) -> Layout:  # fmt: skip
-        """Hide a secret file's directory when nothing the tests need lives under it."""
+        """Hide a secret file's directory when nothing the tests need lives under it.
+
+        Otherwise the file is covered by ``blank`` (``/dev/null`` would not do: bwrap's
+        binds are ``nodev``).
+        """
         needed = [*writable, chdir, *_interpreter_dirs()]
         dirs = [p.resolve() for p in secret_dirs]
         files: list[Path] = []
@@ -192,7 +197,7 @@ class Layout:
                 parent = f.parent
                 hidable = parent != Path("/") and not any(_under(n, parent) for n in needed)
                 (dirs if hidable else files).append(parent if hidable else f)
-        return cls(tuple(p.resolve() for p in writable), tuple(dirs), tuple(files), chdir)
+        return cls(tuple(p.resolve() for p in writable), tuple(dirs), tuple(files), chdir, blank)
 
     def bwrap_args(self, confinement: Confinement) -> list[str]:
         """Mount order matters: a later tmpfs over a parent would hide earlier binds."""
@@ -204,7 +209,9 @@ class Layout:
             args += ["--tmpfs", str(path)]
         for path in self.secret_files:
             if path.exists() and not any(_under(path, h) for h in hidden):
-                args += ["--ro-bind", "/dev/null", str(path)]
+                if self.blank is None:
+                    raise GitrunError(f"no blank file to cover {path} with")
+                args += ["--ro-bind", str(self.blank), str(path)]
         for path in _interpreter_dirs():  # e.g. a venv under /tmp: shown again, read-only
             if any(_under(path, h) for h in hidden) and not any(
                 _under(s, path) for s in self.secrets

@@ -253,7 +253,9 @@ def run_verifier(
         if out.is_relative_to(workdir):
             raise BadInput(f"temporary directory {out} lies inside the worktree {workdir}")
         report = out / "junit.xml"
-        layout = Layout.of([workdir, out], hide.dirs, hide.files, workdir)
+        blank = out / "blank"
+        blank.touch(0o444)
+        layout = Layout.of([workdir, out], hide.dirs, hide.files, workdir, blank)
         with (out / "output.log").open("w+b") as log:
             child = sandbox.spawn(
                 _argv(spec, report), cwd=workdir, env=_child_env(confinement, hide.files),

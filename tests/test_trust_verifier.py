@@ -629,3 +629,50 @@ def test_a_tree_entry_git_would_not_check_out_is_refused(tmp_path: Path, name: s
         materialise(pygit2.Repository(str(repo_dir)), pygit2.Oid(hex=tree), dest)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "r", "scratch"]
     assert list(dest.iterdir()) == []
+
+
+LOOKS_FOR_SECRETS = """\
+import os, sys
+key, workspace = sys.argv[1], sys.argv[2]
+assert open(key).read() == "", "key readable"
+assert os.listdir(workspace) == [], "workspace visible"
+assert not [k for k in os.environ if k.startswith("GITRUN_")], "variables leaked"
+assert open("tracked.txt").read() == "ok\\n"
+open("written-by-tests", "w").write("scratch is writable")
+try:
+    open(key + ".new", "w")
+except OSError:
+    pass
+else:
+    sys.exit("wrote beside the key")
+"""
+
+
+@needs_bwrap
+def test_a_key_file_whose_directory_cannot_be_hidden_is_covered_by_dev_null(
+    outside_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gitrun.verifier import Secrets, VerifierSpec, run_verifier
+
+    workdir = outside_tmp / "tree"  # the key's directory holds the tree: it cannot be hidden
+    workdir.mkdir()
+    (workdir / "tracked.txt").write_text("ok\n")
+    key = outside_tmp / "checkpoint.keyring"
+    key.write_text("secret")
+    workspace = outside_tmp / "workspace"
+    (workspace / "keys").mkdir(parents=True)
+    monkeypatch.setenv("GITRUN_ANYTHING", "x")
+    command = ("{python}", "-c", LOOKS_FOR_SECRETS, str(key), str(workspace))
+    spec = VerifierSpec(command, False, ("t",), (), 30.0)
+    confinement = sandbox.resolve("required")
+
+    result = run_verifier(
+        spec, workdir, confinement=confinement, secrets=Secrets((workspace,), (key,))
+    )
+
+    assert result.passed, result.output_tail
+    assert key.read_text() == "secret"
+    assert (workdir / "written-by-tests").exists()
+    assert sorted(p.name for p in outside_tmp.iterdir()) == [
+        "checkpoint.keyring", "tree", "workspace",
+    ]  # fmt: skip
