@@ -217,7 +217,7 @@ def verify_tree(
     The scratch directory lies outside every secret (the workspace, the common git dir),
     holds only the tree, and is removed afterwards. ``hooks`` go to :func:`run_verifier`.
     """
-    with scratch([*secrets.dirs, *(f.parent for f in secrets.files)]) as tmp:
+    with scratch(secrets.dirs) as tmp:
         tree_dir = tmp / "tree"
         made = materialise(repo, tree_id, tree_dir)
         result = run_verifier(spec, tree_dir, confinement=confinement, secrets=secrets, **hooks)

@@ -676,3 +676,34 @@ def test_a_key_file_whose_directory_cannot_be_hidden_is_covered_by_dev_null(
     assert sorted(p.name for p in outside_tmp.iterdir()) == [
         "checkpoint.keyring", "tree", "workspace",
     ]  # fmt: skip
+
+
+KILLS_ITS_SUPERVISOR = """\
+import os, signal, subprocess, sys, time
+loop = "import time\\nwhile True: time.sleep(0.05)"
+subprocess.Popen([sys.executable, "-c", loop, sys.argv[1]], start_new_session=True)
+os.kill(os.getppid(), signal.SIGKILL)
+time.sleep(30)
+"""
+
+
+@needs_bwrap
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_in_the_sandbox_a_test_that_kills_its_supervisor_still_leaves_no_process_behind(
+    tmp_path: Path,
+) -> None:
+    from gitrun.verifier import VerifierSpec, run_verifier
+
+    token = f"gitrun-escapee-{os.getpid()}"
+    spec = VerifierSpec(("{python}", "-c", KILLS_ITS_SUPERVISOR, token), False, ("t",), (), 30.0)
+    try:
+        started = time.monotonic()
+        result = run_verifier(spec, tmp_path, confinement=sandbox.resolve("required"))
+
+        assert time.monotonic() - started < 10
+        assert not result.passed
+        assert _processes_with(token) == []
+    finally:
+        for pid in _processes_with(token):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
