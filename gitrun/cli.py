@@ -20,6 +20,7 @@ from gitrun import faults, service
 from gitrun.entry import status_text
 from gitrun.errors import Exit, GitrunError
 from gitrun.records import DONE, RunState
+from gitrun.sandbox import check_setting
 from gitrun.workspace import Workspace
 
 app = typer.Typer(
@@ -62,6 +63,14 @@ TrustOpt = Annotated[
         "--trust-roots", envvar="GITRUN_TRUST_ROOTS", help="Public keys of approvers/reviewers."
     ),
 ]
+IsolationOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--isolation",
+        help="Confine the tests: auto (bubblewrap if usable, else warn), required, none. "
+        "Overrides the task's [verifier] isolation.",
+    ),
+]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final line.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
@@ -78,6 +87,7 @@ def _options(
     takeover_after: float | None = None,
     quiet: bool = False,
     trust_roots: Path | None = None,
+    isolation: str | None = None,
 ) -> service.Options:
     opts = service.Options(
         Workspace(workspace, key_file),
@@ -85,6 +95,7 @@ def _options(
         takeover_after=takeover_after,
         say=(lambda _: None) if quiet else _say,
         trust_roots=trust_roots,
+        isolation=None if isolation is None else check_setting(isolation),
     )
     if worker:
         opts.worker = worker
@@ -111,9 +122,12 @@ def run(
     lease_seconds: LeaseOpt = 30.0,
     quiet: QuietOpt = False,
     trust_roots: TrustOpt = None,
+    isolation: IsolationOpt = None,
 ) -> None:
     """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
-    opts = _options(workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots)
+    opts = _options(
+        workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots, isolation
+    )
     _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=agent, run_id=run_id))
 
 
@@ -130,11 +144,13 @@ def resume(
     takeover_after: TakeoverOpt = None,
     quiet: QuietOpt = False,
     trust_roots: TrustOpt = None,
+    isolation: IsolationOpt = None,
 ) -> None:
     """Continue a run that stopped anywhere: verify, reconcile, carry on exactly once."""
     opts = _options(
-        workspace, key_file, worker_id, lease_seconds, takeover_after, quiet, trust_roots
-    )
+        workspace, key_file, worker_id, lease_seconds, takeover_after, quiet, trust_roots,
+        isolation,
+    )  # fmt: skip
     _finish(service.resume(run_id, opts, task))
 
 

@@ -94,6 +94,7 @@ def status_text(info: dict[str, Any], as_json: bool) -> str:
         f"pending    {pending['action'] + ' key ' + pending['key'] if pending else '-'}",
         f"receipts   {len(info['receipts'])}",
         f"verifier   {info['verifier']['summary'] if info['verifier'] else '-'}",
+        f"isolation  {info.get('isolation') or '-'}",
         f"lease      {_lease_line(lease)}",
     ]
     if info.get("checkpoint_error"):

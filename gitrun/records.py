@@ -136,12 +136,15 @@ class Scope:
 
 @dataclass(frozen=True)
 class VerifierEvent:
+    """A verdict, bound to the tree it really ran on and the isolation it ran under."""
+
     head: str
-    tree: str
+    tree: str  # the tree materialised for the tests (checked equal to the last write's)
     passed: bool
     summary: str
     outcomes: dict[str, str]
     at: float
+    isolation: str = "none"  # "bwrap" or "none"
 
 
 @dataclass(frozen=True)

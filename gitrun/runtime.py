@@ -7,18 +7,20 @@ any two lines leaves a checkpoint from which :mod:`gitrun.recovery` continues ex
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pygit2
 
-from gitrun import faults
+from gitrun import faults, gitstore, sandbox
 from gitrun.agents import Finish, ScriptAgent
 from gitrun.approvals import Approvals
 from gitrun.checkpoint import CheckpointStore
 from gitrun.codec import encode
-from gitrun.environment import Environment
+from gitrun.environment import Environment, Observation
 from gitrun.errors import EnvironmentDrift, Frozen, GateRejected, GitrunError, ReceiptConflict
 from gitrun.gate import Gate
 from gitrun.lease import LeaseManager
@@ -39,8 +41,9 @@ from gitrun.records import (
     VerifierEvent,
     new_key,
 )
+from gitrun.sandbox import CommandCannotStart, Confinement
 from gitrun.task import Task
-from gitrun.verifier import run_verifier
+from gitrun.verifier import Secrets, VerifierResult, verify_tree
 
 Say = Callable[[str], None]
 INDEX_SYNC_EVERY = 32  # writes between two syncs of the worktree's index (O(files) each)
@@ -58,6 +61,8 @@ class Runtime:
     checkpoint: pygit2.Oid | None
     say: Say
     approvals: Approvals
+    isolation: str | None = None  # the command line's --isolation; None: the task's
+    secrets: Secrets = field(default_factory=Secrets)  # hidden from the code under test
 
     def __post_init__(self) -> None:
         self._segment_start = time.time()
@@ -316,48 +321,106 @@ class Runtime:
         self.say(f"review needed for {p.key}: {reason}; run frozen")
 
     def verify(self) -> None:
-        """Run the verifier on the HEAD after the last write and finish the run."""
+        """Run the verifier on a fresh copy of the last write's tree and finish the run."""
         faults.point("before_verify")
         obs = self.env.observe(full=True)
         if obs.dirty:
             raise EnvironmentDrift(
                 "uncommitted-edits", f"uncommitted changes before verify: {list(obs.dirty[:5])}"
             )
-        if obs.head != self.state.env.head:
+        if obs.head != self.state.env.head or obs.tree != self.state.env.tree:
             raise EnvironmentDrift(
                 "head-moved", f"HEAD {obs.head} is not the last write {self.state.env.head}"
             )
-        self.say(f"verifier: {' '.join(self.task.verifier.command)}")
-        result = run_verifier(
-            self.task.verifier,
-            self.env.worktree,
-            heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
-            progress=_every(5.0, self.say),
-            # several heartbeats per lease, so even a 1 s lease is renewed before it expires
-            heartbeat_interval=min(1.0, self.lease.duration / 4),
-        )
+        confinement = self._confinement()
+        where = f"bwrap, network {confinement.network}" if confinement.confined else "none"
+        self.say(f"verifier: {' '.join(self.task.verifier.command)} (isolation: {where})")
+        try:
+            result, made = verify_tree(
+                self.task.verifier,
+                self.env.repo,
+                pygit2.Oid(hex=self.state.env.tree),
+                confinement=confinement,
+                secrets=self._secrets(),
+                heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
+                progress=_every(5.0, self.say),
+                # several heartbeats per lease, so even a 1 s lease is renewed before it expires
+                heartbeat_interval=min(1.0, self.lease.duration / 4),
+            )
+        except CommandCannotStart as exc:
+            self._finish_verify(obs, obs.tree, confinement, None, str(exc))
+            return
         faults.point("after_verify")
+        if made != self.state.env.tree:
+            raise EnvironmentDrift("verifier-tree", f"verified {made}, not {self.state.env.tree}")
         after = self.env.observe(full=True)
         if after.fingerprint() != obs.fingerprint():
             raise EnvironmentDrift(
                 "verifier-changed-tree",
                 f"the test command changed the worktree: {list(after.dirty[:5])}",
             )
-        event = VerifierEvent(
-            obs.head, obs.tree, result.passed, result.summary, dict(result.outcomes), time.time()
+        self._finish_verify(obs, made, confinement, result, result.summary)
+
+    def _confinement(self) -> Confinement:
+        """The isolation in force: the command line's setting, else the task's."""
+        setting = self.isolation or self.task.verifier.isolation
+        try:
+            return sandbox.resolve(setting)
+        except sandbox.SandboxUnavailable as exc:
+            raise sandbox.SandboxUnavailable(
+                f"{exc}; then: gitrun resume {self.state.run_id} "
+                "(or resume with --isolation auto to run the tests unconfined)"
+            ) from exc
+
+    def _secrets(self) -> Secrets:
+        """The workspace, the keyring and the repository's common dir: never shown to tests."""
+        dirs = [*self.secrets.dirs, gitstore.common_dir(self.env.repo)]
+        files = list(self.secrets.files)
+        if os.environ.get("GITRUN_HOME"):
+            dirs.append(Path(os.environ["GITRUN_HOME"]))
+        if os.environ.get("GITRUN_KEY_FILE"):
+            files.append(Path(os.environ["GITRUN_KEY_FILE"]))
+        return Secrets(tuple(dirs), tuple(files))
+
+    def _finish_verify(
+        self,
+        obs: Observation,
+        tree: str,
+        confinement: Confinement,
+        result: VerifierResult | None,
+        summary: str,
+    ) -> None:
+        """Checkpoint the verdict: done only with a passing result on the last write's tree."""
+        passed = result is not None and result.passed
+        outcomes = (
+            dict(result.outcomes)
+            if result is not None
+            else dict.fromkeys(self.task.verifier.required, "error")
         )
-        phase, reason = (DONE, "verified") if result.passed else (FAILED, "verifier_failed")
+        event = VerifierEvent(
+            obs.head, tree, passed, summary, outcomes, time.time(), confinement.kind
+        )
+        if result is None:
+            phase, reason = FAILED, "verifier_cannot_start"
+        else:
+            phase, reason = (DONE, "verified") if passed else (FAILED, "verifier_failed")
         s = self.state
         env = replace(s.env, status_digest=obs.status_digest)
         trace = Event(
             "verifier",
             time.time(),
-            {**encode(event), "exit_code": result.exit_code, "timed_out": result.timed_out},
+            {
+                **encode(event),
+                "exit_code": None if result is None else result.exit_code,
+                "timed_out": result is not None and result.timed_out,
+                "network": confinement.network,
+                **({} if confinement.confined else {"unconfined_because": confinement.reason}),
+            },
         )
         self.commit(
             replace(s, phase=phase, stop_reason=reason, verifier=event, env=env).with_events(trace)
         )
-        self.say(f"verifier: {result.summary}")
+        self.say(f"verifier: {summary}")
 
 
 def _every(seconds: float, say: Say) -> Say:
@@ -435,6 +498,8 @@ def begin(
     scenario_parts: dict[str, str],
     say: Say,
     approvals: Approvals,
+    isolation: str | None = None,
+    secrets: Secrets | None = None,
 ) -> Runtime:
     """Observe a fresh worktree, write checkpoint generation 1, and return the runtime."""
     from gitrun.checkpoint import checkpoint_ref
@@ -457,5 +522,6 @@ def begin(
     oid = store.advance(ref, state, None, lease.fence)
     # The first checkpoint's events are in the chain: the next one starts a new batch.
     return Runtime(
-        task, env, store, ref, lease, agent, replace(state, events=()), oid, say, approvals
-    )
+        task, env, store, ref, lease, agent, replace(state, events=()), oid, say, approvals,
+        isolation, secrets or Secrets(),
+    )  # fmt: skip

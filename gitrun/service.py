@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from gitrun.approvals import Approvals
     from gitrun.evidence import Signed
     from gitrun.runtime import Runtime
+    from gitrun.verifier import Secrets
 
 
 def _quiet(_: str) -> None:
@@ -48,6 +49,7 @@ class Options:
     takeover_after: float | None = None
     say: Callable[[str], None] = _quiet
     trust_roots: Path | None = None
+    isolation: str | None = None  # --isolation: overrides the task's [verifier] isolation
 
     @property
     def approvals(self) -> Approvals:
@@ -55,6 +57,13 @@ class Options:
         from gitrun.evidence import load_trust_roots
 
         return Approvals(load_trust_roots(self.trust_roots) if self.trust_roots else None)
+
+    @property
+    def secrets(self) -> Secrets:
+        """What the code under test must never see: this workspace and its keyring."""
+        from gitrun.verifier import Secrets
+
+        return Secrets((self.workspace.root,), (self.workspace.key_file,))
 
 
 @dataclass
@@ -159,6 +168,8 @@ def _setup_and_run(
             scenario_parts=_base_parts(task, repo, record.base_commit),
             say=opts.say,
             approvals=opts.approvals,
+            isolation=opts.isolation,
+            secrets=opts.secrets,
         )
         opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
         return _drive(rt)
@@ -286,6 +297,8 @@ def _runtime(
         stored.oid,
         opts.say,
         opts.approvals,
+        opts.isolation,
+        opts.secrets,
     )
 
 
@@ -400,6 +413,7 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
             "pending": None,
             "receipts": [],
             "verifier": None,
+            "isolation": None,
         }
     s = stored.state
     return {
@@ -423,6 +437,7 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
         },
         "receipts": [encode(r) for r in opened.env.receipts()],
         "verifier": None if s.verifier is None else encode(s.verifier),
+        "isolation": None if s.verifier is None else s.verifier.isolation,
         "budgets": encode(s.budgets),
         "review": None if s.review is None else encode(s.review),
     }

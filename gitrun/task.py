@@ -30,7 +30,10 @@ _SHAPE: dict[str, tuple[set[str], set[str]]] = {
         {"id", "version", "allowed_actions", "write_allowlist"},
         {"forbidden_paths", "risk", "allow_symlinks"},
     ),
-    "verifier": ({"command", "fail_to_pass", "pass_to_pass"}, {"junit", "timeout_seconds"}),
+    "verifier": (
+        {"command", "fail_to_pass", "pass_to_pass"},
+        {"junit", "timeout_seconds", "isolation"},
+    ),
     "budgets": ({"max_proposals", "max_steps", "max_wall_seconds"}, set()),
     "agent": (set(), {"plan"}),
 }
@@ -251,6 +254,11 @@ def _verifier(v: dict[str, Any], path: Path) -> VerifierSpec:
     junit = v.get("junit", True)
     if not isinstance(junit, bool):
         raise _fail(path, "verifier.junit must be true or false")
+    isolation = v.get("isolation", "auto")
+    if isolation not in ("auto", "required", "none"):
+        raise _fail(
+            path, f'verifier.isolation must be "auto", "required" or "none", not {isolation!r}'
+        )
     return VerifierSpec(
         command=command,
         junit=junit,
@@ -259,6 +267,7 @@ def _verifier(v: dict[str, Any], path: Path) -> VerifierSpec:
         timeout_seconds=_number(v, "timeout_seconds", "verifier", path)
         if "timeout_seconds" in v
         else 600.0,
+        isolation=isolation,
     )
 
 

@@ -10,18 +10,18 @@ by rebuilding ``file::name``: a test method inherited from a base class in anoth
 module carries the *base* module in ``file``, while ``classname`` always follows the
 node id.
 
-The child runs without a shell, in its own session (so the whole process group can be
-killed), with stdout and stderr going to a file outside the worktree, and bytecode
-writing disabled, so a verifier run leaves the worktree as it found it.
+The runtime verifies a fresh materialisation of HEAD's tree (:func:`verify_tree`), never
+the worktree, so nothing git does not show can change the verdict. The child runs
+without a shell, under :mod:`gitrun.sandbox`'s supervisor (its whole process tree dies
+with gitrun) and, where the isolation setting gives one, inside bubblewrap; it gets no
+``GITRUN_*`` variable, its output goes to a file outside the tree it tests, and bytecode
+writing is disabled.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,9 +29,14 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+import pygit2
+
+from gitrun import sandbox
 from gitrun.errors import BadInput
+from gitrun.materialise import materialise, scratch
+from gitrun.sandbox import UNCONFINED, CommandCannotStart, Confinement, Layout, SandboxFailed
 
 PASSED = "passed"
 FAILED = "failed"
@@ -44,8 +49,9 @@ MAX_REPORT_BYTES = 20 * 1024 * 1024
 
 _RANK = {PASSED: 0, SKIPPED: 1, FAILED: 2, ERROR: 3}
 _CHILD_OUTCOME = {"failure": FAILED, "error": ERROR, "skipped": SKIPPED}
-_SCRUBBED_ENV = ("GITRUN_CRASH_AT",)  # the runtime's fault injection must not reach the tests
+_SCRUBBED_PREFIX = "GITRUN_"  # no variable of gitrun's (home, key file, fault injection)
 _SPEC_FIELDS = frozenset({"command", "junit", "fail_to_pass", "pass_to_pass", "timeout_seconds"})
+_OPTIONAL_SPEC_FIELDS = frozenset({"isolation"})
 _POLL_SECONDS = 0.05
 _TAIL_LINES = 40
 _TAIL_BYTES = 16 * 1024
@@ -61,6 +67,7 @@ class VerifierSpec:
     fail_to_pass: tuple[str, ...]
     pass_to_pass: tuple[str, ...]
     timeout_seconds: float
+    isolation: str = sandbox.AUTO  # the task's setting; a command-line --isolation overrides it
 
     def __post_init__(self) -> None:
         for name in ("command", "fail_to_pass", "pass_to_pass"):
@@ -75,6 +82,7 @@ class VerifierSpec:
             )
         if self.junit and not self.required:
             raise BadInput("a JUnit verifier needs at least one FAIL_TO_PASS or PASS_TO_PASS id")
+        sandbox.check_setting(self.isolation, "verifier isolation")
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -82,24 +90,35 @@ class VerifierSpec:
         return tuple(dict.fromkeys(self.fail_to_pass + self.pass_to_pass))
 
     def to_json(self) -> dict[str, object]:
-        """The canonical JSON form (lists, not tuples)."""
-        return {
+        """The canonical JSON form (lists, not tuples).
+
+        ``isolation`` appears only when it is not the default, so the scenario fingerprint
+        of every task that does not set it is what it was before the setting existed.
+        """
+        out: dict[str, object] = {
             "command": list(self.command),
             "junit": self.junit,
             "fail_to_pass": list(self.fail_to_pass),
             "pass_to_pass": list(self.pass_to_pass),
             "timeout_seconds": float(self.timeout_seconds),
         }
+        if self.isolation != sandbox.AUTO:
+            out["isolation"] = self.isolation
+        return out
 
     @classmethod
     def from_json(cls, data: object) -> VerifierSpec:
         """Decode :meth:`to_json` output strictly: unknown or missing fields are refused."""
         if not isinstance(data, Mapping):
             raise BadInput("verifier spec must be a JSON object")
-        unknown, missing = set(data) - _SPEC_FIELDS, _SPEC_FIELDS - set(data)
+        unknown = set(data) - _SPEC_FIELDS - _OPTIONAL_SPEC_FIELDS
+        missing = _SPEC_FIELDS - set(data)
         if unknown or missing:
             raise BadInput(f"verifier spec: unknown {sorted(unknown)}, missing {sorted(missing)}")
         junit, timeout = data["junit"], data["timeout_seconds"]
+        isolation = data.get("isolation", sandbox.AUTO)
+        if not isinstance(isolation, str):
+            raise BadInput(f"verifier isolation must be a string, not {isolation!r}")
         if not isinstance(junit, bool):
             raise BadInput("verifier junit must be true or false")
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
@@ -110,6 +129,7 @@ class VerifierSpec:
             fail_to_pass=_str_tuple("fail_to_pass", data["fail_to_pass"]),
             pass_to_pass=_str_tuple("pass_to_pass", data["pass_to_pass"]),
             timeout_seconds=float(timeout),
+            isolation=isolation,
         )
 
 
@@ -143,6 +163,8 @@ class _Run:
     exit_code: int | None
     timed_out: bool
     duration_seconds: float
+    started: bool = True
+    cannot_start: str = ""  # why the command could not be executed
 
 
 class _UnusableReport(Exception):
@@ -173,6 +195,35 @@ class _Ticker:
             self._progress(f"verifier: running {int(elapsed)}s")
 
 
+@dataclass(frozen=True)
+class Secrets:
+    """What the code under test must not see: directories and files to hide."""
+
+    dirs: tuple[Path, ...] = ()
+    files: tuple[Path, ...] = ()
+
+
+def verify_tree(
+    spec: VerifierSpec,
+    repo: pygit2.Repository,
+    tree_id: pygit2.Oid,
+    *,
+    confinement: Confinement,
+    secrets: Secrets,
+    **hooks: Any,
+) -> tuple[VerifierResult, str]:
+    """Judge the tree ``tree_id`` in a fresh materialisation of it; also its oid as written.
+
+    The scratch directory lies outside every secret (the workspace, the common git dir),
+    holds only the tree, and is removed afterwards. ``hooks`` go to :func:`run_verifier`.
+    """
+    with scratch(secrets.dirs) as tmp:
+        tree_dir = tmp / "tree"
+        made = materialise(repo, tree_id, tree_dir)
+        result = run_verifier(spec, tree_dir, confinement=confinement, secrets=secrets, **hooks)
+    return result, made
+
+
 def run_verifier(
     spec: VerifierSpec,
     workdir: Path,
@@ -180,26 +231,39 @@ def run_verifier(
     heartbeat: Callable[[], None] | None = None,
     progress: Callable[[str], None] | None = None,
     heartbeat_interval: float = 1.0,
+    confinement: Confinement = UNCONFINED,
+    secrets: Secrets | None = None,
 ) -> VerifierResult:
     """Run ``spec.command`` in ``workdir`` and judge the required tests.
 
     ``heartbeat`` is called every ``heartbeat_interval`` seconds (the runtime renews its
-    lease there); if it raises, the child's process group is killed and the error
-    propagates. A command that cannot start raises :class:`BadInput`.
+    lease there); if it raises, the child's process tree is killed and the error
+    propagates. A command that cannot start raises :class:`CommandCannotStart`; a
+    sandbox bubblewrap cannot build raises :class:`SandboxFailed`.
     """
     if not workdir.is_dir():
         raise BadInput(f"verifier workdir {workdir} is not a directory")
     if not _positive_number(heartbeat_interval):
         raise BadInput(f"heartbeat_interval must be positive, not {heartbeat_interval!r}")
     ticker = _Ticker(heartbeat, progress, heartbeat_interval)
+    hide = secrets or Secrets()
+    workdir = workdir.resolve()
     with tempfile.TemporaryDirectory(prefix="gitrun-verifier-", ignore_cleanup_errors=True) as tmp:
-        scratch = Path(tmp)
-        if scratch.resolve().is_relative_to(workdir.resolve()):
-            raise BadInput(f"temporary directory {scratch} lies inside the worktree {workdir}")
-        report = scratch / "junit.xml"
-        with (scratch / "output.log").open("w+b") as log:
-            run = _execute(_argv(spec, report), workdir, log, spec.timeout_seconds, ticker)
+        out = Path(tmp).resolve()
+        if out.is_relative_to(workdir):
+            raise BadInput(f"temporary directory {out} lies inside the worktree {workdir}")
+        report = out / "junit.xml"
+        blank = out / "blank"
+        blank.touch(0o444)
+        layout = Layout.of([workdir, out], hide.dirs, hide.files, workdir, blank)
+        with (out / "output.log").open("w+b") as log:
+            child = sandbox.spawn(
+                _argv(spec, report), cwd=workdir, env=_child_env(confinement, hide.files),
+                log=log, confinement=confinement, layout=layout,
+            )  # fmt: skip
+            run = _supervise(child, spec.timeout_seconds, ticker)
             tail = _tail(log)
+        _refuse_unstarted(spec, run, confinement, tail)
         outcomes, summary = _verdict(spec, run, report)
         if spec.junit and not report.exists() and tail.strip():
             # e.g. "No module named pytest": the one line that tells the user what to do
@@ -220,6 +284,17 @@ def run_verifier(
     )
 
 
+def _refuse_unstarted(spec: VerifierSpec, run: _Run, confinement: Confinement, tail: str) -> None:
+    if run.cannot_start:
+        raise CommandCannotStart(
+            f"verifier command {spec.command[0]!r} cannot start: {run.cannot_start}"
+        )
+    if not run.started and not run.timed_out:
+        said = tail.strip().splitlines()[-1][:200] if tail.strip() else "no output"
+        where = "bubblewrap could not set up the sandbox" if confinement.confined else "failed"
+        raise SandboxFailed(f"the verifier's supervisor {where}: {said}")
+
+
 def _argv(spec: VerifierSpec, report: Path) -> list[str]:
     argv = [part.replace("{python}", sys.executable) for part in spec.command]
     if spec.junit:
@@ -228,69 +303,40 @@ def _argv(spec: VerifierSpec, report: Path) -> list[str]:
     return argv
 
 
-def _child_env() -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in _SCRUBBED_ENV}
+def _child_env(confinement: Confinement, secret_files: tuple[Path, ...]) -> dict[str, str]:
+    """The caller's environment without any ``GITRUN_*`` variable or one naming a secret."""
+    named = {str(f) for f in secret_files} | {str(f.resolve()) for f in secret_files}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(_SCRUBBED_PREFIX) and not any(n in value for n in named)
+    }
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if confinement.confined:
+        env["TMPDIR"] = "/tmp"  # noqa: S108 - the sandbox's own private tmpfs
     return env
 
 
-def _execute(
-    argv: list[str], workdir: Path, log: IO[bytes], timeout: float, ticker: _Ticker
-) -> _Run:
-    try:
-        proc = subprocess.Popen(
-            argv,
-            cwd=workdir,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=_child_env(),
-            start_new_session=True,
-        )
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise BadInput(f"verifier command {argv[0]!r} cannot start: {reason}") from exc
+def _supervise(child: sandbox.Supervised, timeout: float, ticker: _Ticker) -> _Run:
     start = time.monotonic()
     try:
-        timed_out = _wait(proc, start, timeout, ticker)
+        timed_out = _wait(child, start, timeout, ticker)
     finally:
-        _kill_group(proc)
+        child.stop()
     duration = time.monotonic() - start
-    return _Run(None if timed_out else proc.returncode, timed_out, duration)
+    started, code, why = child.outcome()
+    return _Run(None if timed_out else code, timed_out, duration, started, why)
 
 
-def _wait(proc: subprocess.Popen[bytes], start: float, timeout: float, ticker: _Ticker) -> bool:
+def _wait(child: sandbox.Supervised, start: float, timeout: float, ticker: _Ticker) -> bool:
     """Poll until the child exits (False) or the timeout passes (True)."""
-    while not _exited(proc):
+    while not child.exited():
         elapsed = time.monotonic() - start
         if elapsed >= timeout:
             return True
         ticker.tick_if_due(elapsed)
         time.sleep(_POLL_SECONDS)
     return False
-
-
-def _exited(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether the child exited, leaving it unreaped where the OS allows.
-
-    An unreaped child keeps its pid, so the pid still names its process group when
-    :func:`_kill_group` sweeps up grandchildren it left behind.
-    """
-    if not hasattr(os, "waitid"):
-        return proc.poll() is not None
-    try:
-        flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
-        return os.waitid(os.P_PID, proc.pid, flags) is not None
-    except ChildProcessError:
-        return True
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the child's process group (if its pid still names it) and reap the child."""
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _tail(log: IO[bytes]) -> str:
