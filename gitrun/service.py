@@ -21,7 +21,14 @@ from gitrun.approvals import Approvals, approval_claims, review_claims, submit
 from gitrun.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
 from gitrun.codec import encode
 from gitrun.environment import Environment, branch_ref
-from gitrun.errors import BadInput, CheckpointRejected, Frozen, GitrunError, LeaseLost
+from gitrun.errors import (
+    BadInput,
+    CheckpointRejected,
+    Frozen,
+    GitrunError,
+    LeaseLost,
+    LeaseUnreadable,
+)
 from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, load_trust_roots
 from gitrun.evidence import sign as sign_evidence
 from gitrun.evidence import verify as verify_evidence
@@ -352,7 +359,6 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
     """Everything a user needs to know about a run, from the verified checkpoint."""
     opened = open_run(run_id, opts)
     rec = opened.record
-    lease, _ = read_lease(opened.repo, rec.run_id)
     out: dict[str, Any] = {
         "run_id": rec.run_id,
         "repo": rec.repo,
@@ -361,9 +367,7 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
         "task_dir": rec.task_dir,
         "workspace": str(opts.workspace.root),
         "key_file": str(opts.workspace.key_file),
-        "lease": None
-        if lease is None
-        else {**encode(lease), "live": lease.expires_at > time.time()},
+        "lease": _lease_info(opened),
     }
     try:
         ref, stored = load_verified(opened, check_scenario=False)
@@ -404,6 +408,15 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
         "budgets": encode(s.budgets),
         "review": None if s.review is None else encode(s.review),
     }
+
+
+def _lease_info(opened: Opened) -> dict[str, Any] | None:
+    """The lease as status shows it; a ref rewritten to garbage is shown, not fatal."""
+    try:
+        lease, _ = read_lease(opened.repo, opened.record.run_id)
+    except LeaseUnreadable as exc:
+        return {"unreadable": str(exc), "oid": exc.oid}
+    return None if lease is None else {**encode(lease), "live": lease.expires_at > time.time()}
 
 
 def receipts(run_id: str, opts: Options) -> list[dict[str, Any]]:
