@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gitrun.codec import DecodeError, digest, encode
+from gitrun.codec import DecodeError, digest, encode, optional_field
 
 SCHEMA_VERSION = 1
 ADAPTER_NAMESPACE_PREFIX = "git:"
@@ -43,8 +43,8 @@ class Action:
     content: str | None = None
     patch: str | None = None
     description: str = ""
-    content_b64: str | None = None
-    patch_b64: str | None = None
+    content_b64: str | None = optional_field()
+    patch_b64: str | None = optional_field()
 
     def __post_init__(self) -> None:
         self.content_bytes()  # each payload has one well-formed form, or the record is refused

@@ -223,6 +223,25 @@ def test_the_intent_digest_depends_on_the_bytes_only_and_stays_what_it_was_for_u
     )
 
 
+def test_a_utf8_action_keeps_the_record_bytes_and_agent_identity_it_had_before() -> None:
+    from gitrun.agents import ScriptAgent
+    from gitrun.codec import decode, digest, encode
+
+    legacy = {
+        "kind": "apply_patch",
+        "path": None,
+        "content": None,
+        "patch": "p\n",
+        "description": "",
+    }
+    action = Action.of_bytes("apply_patch", patch=b"p\n")
+    assert encode(action) == legacy  # no base64 keys unless the bytes need them
+    assert decode(Action, legacy) == action  # records written before the field existed
+    assert ScriptAgent("plan", (action,)).identity == f"plan:{digest([legacy])}"
+    binary = Action.of_bytes("write_file", path="b", content=b"\x80")
+    assert decode(Action, encode(binary)).content_bytes() == b"\x80"
+
+
 def _user_git(repo: Path, *args: str) -> bytes:
     return subprocess.run(
         ["git", "-C", str(repo), "-c", "core.autocrlf=false", *args],
