@@ -50,14 +50,23 @@ class ScriptAgent:
             return self.actions[cursor]
         return Finish()
 
+    def is_last(self, cursor: int) -> bool:
+        """Whether the proposal at ``cursor`` is the agent's last write (none follows it)."""
+        return cursor >= len(self.actions) - 1
+
 
 _STEP_KEYS = {"kind", "path", "content", "content_file", "patch_file", "description"}
 
 
-def load_plan(path: Path) -> ScriptAgent:
-    """A plan file: ``[[step]]`` tables, each one action (see sandboxes/*/plan.toml)."""
+def load_plan(path: Path, root: Path | None = None) -> ScriptAgent:
+    """A plan file: ``[[step]]`` tables, each one action (see sandboxes/*/plan.toml).
+
+    Every file a step reads must resolve (symlinks followed) inside ``root`` (default:
+    the plan's directory): a plan cannot commit the machine's other files to the repo.
+    """
     if not path.is_file():
         raise TaskError(f"{path}: plan file does not exist")
+    base = (root or path.parent).resolve()
     try:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -67,19 +76,28 @@ def load_plan(path: Path) -> ScriptAgent:
     steps = doc.get("step", [])
     if not isinstance(steps, list) or not steps:
         raise TaskError(f"{path}: a plan needs at least one [[step]]")
-    return ScriptAgent("plan", tuple(_step(s, i, path) for i, s in enumerate(steps)))
+    return ScriptAgent("plan", tuple(_step(s, i, path, base) for i, s in enumerate(steps)))
 
 
-def _read(base: Path, rel: object, where: str, path: Path) -> str:
-    if not isinstance(rel, str):
+def _read(base: Path, rel: object, where: str, path: Path) -> bytes:
+    """The exact bytes of a file a plan names, relative to the plan, inside ``base``."""
+    if not isinstance(rel, str) or not rel:
         raise TaskError(f"{path}: {where} must be a file path")
-    target = (base / rel).resolve()
+    target = (path.parent / rel).resolve()
+    if target != base and base not in target.parents:
+        raise TaskError(
+            f"{path}: {where} {rel!r} resolves to {target}, outside {base}; "
+            "a plan reads only files inside its own directory"
+        )
     if not target.is_file():
         raise TaskError(f"{path}: {where} {target} does not exist")
-    return target.read_text(encoding="utf-8")
+    try:
+        return target.read_bytes()
+    except OSError as exc:
+        raise TaskError(f"{path}: {where} {target} is unreadable: {exc.strerror}") from exc
 
 
-def _step(step: object, i: int, path: Path) -> Action:
+def _step(step: object, i: int, path: Path, base: Path) -> Action:
     where = f"step[{i}]"
     if not isinstance(step, dict):
         raise TaskError(f"{path}: {where} must be a table")
@@ -91,20 +109,27 @@ def _step(step: object, i: int, path: Path) -> Action:
         raise TaskError(f"{path}: {where}.kind must be one of {ACTION_KINDS}")
     description = str(step.get("description", ""))
     if kind == "apply_patch":
-        patch = _read(path.parent, step.get("patch_file"), f"{where}.patch_file", path)
-        return Action("apply_patch", patch=patch, description=description)
+        patch = _read(base, step.get("patch_file"), f"{where}.patch_file", path)
+        return Action.of_bytes("apply_patch", patch=patch, description=description)
     target = step.get("path")
     if not isinstance(target, str):
         raise TaskError(f"{path}: {where}.path must be a string")
     if kind == "delete_file":
         return Action("delete_file", path=target, description=description)
     if "content_file" in step:
-        content = _read(path.parent, step["content_file"], f"{where}.content_file", path)
+        content = _read(base, step["content_file"], f"{where}.content_file", path)
     elif isinstance(step.get("content"), str):
-        content = str(step["content"])
+        content = str(step["content"]).encode("utf-8")
     else:
         raise TaskError(f"{path}: {where} needs content or content_file")
-    return Action("write_file", path=target, content=content, description=description)
+    return Action.of_bytes("write_file", path=target, content=content, description=description)
+
+
+def _plan_root(plan: Path, task: Task) -> Path:
+    """Where a plan may read from: the task directory for a plan inside it (so start and
+    resume, which names the plan by path, agree), else the plan's own directory."""
+    tdir = Path(task.task_dir).resolve()
+    return tdir if tdir in plan.resolve().parents else plan.resolve().parent
 
 
 def load_agent(spec: str, task: Task) -> tuple[ScriptAgent, str]:
@@ -112,17 +137,21 @@ def load_agent(spec: str, task: Task) -> tuple[ScriptAgent, str]:
     if spec == "plan":
         if task.plan is None:
             raise BadInput(f"task {task.id} ships no plan; use --agent patch:FILE or plan:FILE")
-        return load_plan(Path(task.plan)), f"plan:{task.plan}"
+        plan = Path(task.plan)
+        return load_plan(plan, _plan_root(plan, task)), f"plan:{task.plan}"
     kind, sep, file = spec.partition(":")
     if not sep or not file or kind not in ("plan", "patch"):
         raise BadInput(f"unknown agent {spec!r}: use plan, plan:FILE or patch:FILE")
     target = Path(file).expanduser().resolve()
     if kind == "plan":
-        return load_plan(target), f"plan:{target}"
+        return load_plan(target, _plan_root(target, task)), f"plan:{target}"
     if not target.is_file():
         raise BadInput(f"--agent patch:{file}: no such file")
-    text = target.read_text(encoding="utf-8")
-    if not text.strip():
+    try:
+        data = target.read_bytes()  # exactly: no newline translation, any encoding
+    except OSError as exc:
+        raise BadInput(f"--agent patch:{file}: unreadable: {exc.strerror}") from exc
+    if not data.strip():
         raise BadInput(f"--agent patch:{file}: the patch is empty")
-    action = Action("apply_patch", patch=text, description=f"model patch {target.name}")
+    action = Action.of_bytes("apply_patch", patch=data, description=f"model patch {target.name}")
     return ScriptAgent("patch", (action,)), f"patch:{target}"

@@ -20,7 +20,7 @@ import pygit2
 from gitrun import gitstore
 from gitrun.codec import DecodeError, canonical_bytes, decode, digest, encode
 from gitrun.environment import Approval
-from gitrun.errors import ApprovalRefused, CheckpointRejected, Frozen, GitrunError, ReceiptDrift
+from gitrun.errors import ApprovalRefused, BadInput, CheckpointRejected, Frozen, ReceiptDrift
 from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, TrustRoot, verify
 from gitrun.records import (
     AWAITING_APPROVAL,
@@ -99,7 +99,7 @@ def approval_claims(state: RunState, approver_note: str, ttl_seconds: float) -> 
     """What ``gitrun approve`` signs for the checkpoint's pending action."""
     p = state.pending
     if p is None or state.phase != AWAITING_APPROVAL:
-        raise GitrunError(
+        raise BadInput(
             f"run {state.run_id} has no action waiting for approval (phase {state.phase})"
         )
     now = time.time()
@@ -116,9 +116,9 @@ def review_claims(state: RunState, decision: str) -> dict[str, Any]:
     """What ``gitrun review decide`` signs for the open review case."""
     case = state.review
     if case is None or state.phase != NEEDS_REVIEW:
-        raise GitrunError(f"run {state.run_id} has no open review case (phase {state.phase})")
+        raise BadInput(f"run {state.run_id} has no open review case (phase {state.phase})")
     if decision not in ("replan", "abort"):
-        raise GitrunError(f"decision must be replan or abort, not {decision!r}")
+        raise BadInput(f"decision must be replan or abort, not {decision!r}")
     return {
         "kind": "review",
         "decision": decision,

@@ -7,6 +7,7 @@ its exit code; usage errors exit 2; nothing a user does wrong prints a traceback
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ from typer._click.exceptions import ClickException  # typer vendors click; not r
 
 from gitrun import faults, service
 from gitrun.entry import status_text
-from gitrun.errors import Exit, GitrunError
+from gitrun.errors import BadInput, Exit, GitrunError
 from gitrun.records import DONE, RunState
 from gitrun.sandbox import check_setting
 from gitrun.workspace import Workspace
@@ -39,6 +40,14 @@ app.add_typer(debug_app, name="debug")
 app.add_typer(keys_app, name="keys")
 app.add_typer(review_app, name="review")
 
+
+def _finite(value: float | None) -> float | None:
+    """Typer callback: refuse ``inf`` and ``nan`` (click's range check lets nan through)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number of seconds")
+    return value
+
+
 WorkspaceOpt = Annotated[
     Path | None,
     typer.Option(
@@ -52,10 +61,18 @@ KeyFileOpt = Annotated[
 WorkerOpt = Annotated[
     str | None, typer.Option("--worker-id", help="This worker's id (default: host-pid-random).")
 ]
-LeaseOpt = Annotated[float, typer.Option("--lease-seconds", min=1.0, help="Lease duration.")]
+LeaseOpt = Annotated[
+    float,
+    typer.Option("--lease-seconds", min=1.0, callback=_finite, help="Lease duration."),
+]
 TakeoverOpt = Annotated[
     float | None,
-    typer.Option("--takeover-after", min=0.0, help="Take over a lease not renewed for this long."),
+    typer.Option(
+        "--takeover-after",
+        min=0.0,
+        callback=_finite,
+        help="Take over a lease not renewed for this long.",
+    ),
 ]
 TrustOpt = Annotated[
     Path | None,
@@ -242,15 +259,21 @@ def crash_points() -> None:
         typer.echo(f"{name:<28} {what}")
 
 
+MAX_TTL_SECONDS = 366 * 86400
+
+
 def _seconds(text: str) -> float:
+    """A ``--ttl`` duration in seconds: finite, positive, at most a year (bad input else)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
     try:
         value = float(number) * units[unit]
     except ValueError:
         value = -1.0
-    if value <= 0:
-        raise GitrunError(f"--ttl {text!r} is not a duration like 90s, 30m, 1h or 2d")
+    if not math.isfinite(value) or value <= 0:
+        raise BadInput(f"--ttl {text!r} is not a duration like 90s, 30m, 1h or 2d")
+    if value > MAX_TTL_SECONDS:
+        raise BadInput(f"--ttl {text!r} is longer than 366d; approvals are meant to expire")
     return value
 
 
@@ -352,11 +375,11 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"gitrun: {exc.format_message()}", err=True)
         sys.exit(int(Exit.BAD_INPUT))
     except GitrunError as exc:
-        typer.echo(f"gitrun: {exc}", err=True)
+        internal = "internal error: " if exc.exit_code == Exit.INTERNAL else ""
+        typer.echo(f"gitrun: {internal}{exc}", err=True)
         sys.exit(int(exc.exit_code))
     except KeyboardInterrupt:
-        typer.echo("gitrun: interrupted; resume with `gitrun resume RUN_ID`", err=True)
-        sys.exit(130)
+        code = Exit.INTERRUPTED
     except Exception as exc:
         if os.environ.get("GITRUN_DEBUG"):
             raise
@@ -364,5 +387,7 @@ def main(argv: list[str] | None = None) -> None:
             f"gitrun: internal error: {type(exc).__name__}: {exc} (GITRUN_DEBUG=1 shows more)",
             err=True,
         )
-        sys.exit(70)
+        sys.exit(int(Exit.INTERNAL))
+    if code == Exit.INTERRUPTED:  # typer turns Ctrl-C into a silent exit 130
+        typer.echo("gitrun: interrupted; resume with `gitrun resume RUN_ID`", err=True)
     sys.exit(int(code or 0) if isinstance(code, int) else 0)

@@ -40,10 +40,28 @@ def digest(value: Any) -> str:
     return "sha256:" + hashlib.sha256(canonical_bytes(value)).hexdigest()
 
 
+OMIT_IF_DEFAULT = "omit_if_default"
+"""Field metadata key: a field added later is left out of the JSON while it holds its
+default, so records written before it existed keep their exact bytes (and digests)."""
+
+
+def optional_field(default: Any = None) -> Any:
+    """A dataclass field added without a schema bump (see :data:`OMIT_IF_DEFAULT`)."""
+    return dataclasses.field(default=default, metadata={OMIT_IF_DEFAULT: True})
+
+
+def _omitted(f: dataclasses.Field[Any], value: Any) -> bool:
+    return bool(f.metadata.get(OMIT_IF_DEFAULT)) and value == f.default
+
+
 def encode(obj: Any) -> Any:
     """A dataclass tree as plain JSON values (tuples become lists)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {
+            f.name: encode(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if not _omitted(f, getattr(obj, f.name))
+        }
     if isinstance(obj, tuple | list):
         return [encode(v) for v in obj]
     if isinstance(obj, dict):
@@ -72,11 +90,15 @@ def _decode_dataclass(cls: type, data: Any, path: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise DecodeError(path, f"unknown field(s) {', '.join(unknown)}")
-    missing = sorted(set(fields) - set(data))
+    missing = sorted(
+        name
+        for name, f in fields.items()
+        if name not in data and not f.metadata.get(OMIT_IF_DEFAULT)
+    )
     if missing:
         raise DecodeError(path, f"missing field(s) {', '.join(missing)}")
     hints = _hints(cls)
-    kwargs = {name: _decode(hints[name], data[name], f"{path}.{name}") for name in fields}
+    kwargs = {name: _decode(hints[name], data[name], f"{path}.{name}") for name in data}
     return cls(**kwargs)
 
 

@@ -105,6 +105,8 @@ def status_text(info: dict[str, Any], as_json: bool) -> str:
 def _lease_line(lease: dict[str, Any] | None) -> str:
     if not lease:
         return "-"
+    if "unreadable" in lease:
+        return f"unreadable: {lease['unreadable']}"
     state = "live" if lease["live"] else "expired"
     until = time.strftime("%H:%M:%S", time.localtime(lease["expires_at"]))
     return f"{lease['owner_worker']} v{lease['lease_version']} {state} until {until}"
@@ -144,12 +146,13 @@ def _status(run_id: str, as_json: bool, workspace: Path | None, key_file: Path |
 
 def guarded(fn: Callable[[], int]) -> int:
     """Run ``fn`` as :func:`gitrun.cli.main` runs a command: a user error is one line."""
-    from gitrun.errors import GitrunError
+    from gitrun.errors import Exit, GitrunError
 
     try:
         return fn()
     except GitrunError as exc:
-        print(f"gitrun: {exc}", file=sys.stderr)
+        internal = "internal error: " if exc.exit_code == Exit.INTERNAL else ""
+        print(f"gitrun: {internal}{exc}", file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         print("gitrun: interrupted; resume with `gitrun resume RUN_ID`", file=sys.stderr)

@@ -29,6 +29,7 @@ from gitrun.errors import (
     GitrunError,
     LeaseLost,
     ReceiptConflict,
+    Refused,
 )
 from gitrun.lease import Fence, fence_guard
 from gitrun.patch import apply_file_patch, parse_patch
@@ -214,7 +215,7 @@ class Environment(WorktreeFiles):
     ) -> Outcome:
         """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5."""
         if action.intent_digest() != intent_digest:
-            raise GitrunError(f"intent digest {intent_digest} does not match the action")
+            raise Refused(f"intent digest {intent_digest} does not match the action")
         found = self.lookup(key, since=precondition.head)
         if found is not None:
             if found.intent_digest != intent_digest:
@@ -300,22 +301,24 @@ class Environment(WorktreeFiles):
         """The path → new (blob, mode) map an action makes against ``tree`` (no ref moves).
         With ``write=False`` the blobs are only hashed, not stored."""
         blob = self.repo.create_blob if write else pygit2.hash
-        if action.kind == "write_file" and action.path is not None and action.content is not None:
+        content = action.content_bytes()
+        if action.kind == "write_file" and action.path is not None and content is not None:
             mode = trees.entry_mode(tree, action.path)
             keep = mode if mode in (trees.BLOB, trees.EXEC) else trees.BLOB
-            return {action.path: (blob(action.content.encode()), keep)}
+            return {action.path: (blob(content), keep)}
         if action.kind == "delete_file" and action.path is not None:
             if trees.entry(tree, action.path) is None:
                 raise GateRejected(
                     "missing-path", f"{action.path} does not exist; nothing to delete"
                 )
             return {action.path: None}
-        if action.kind == "apply_patch" and action.patch is not None:
-            return self._patch_changes(action.patch, tree, blob)
+        patch = action.patch_bytes()
+        if action.kind == "apply_patch" and patch is not None:
+            return self._patch_changes(patch, tree, blob)
         raise GateRejected("malformed-action", f"{action.kind} lacks the fields it needs")
 
     def _patch_changes(
-        self, text: str, tree: pygit2.Tree, blob: Callable[[bytes], pygit2.Oid]
+        self, text: bytes, tree: pygit2.Tree, blob: Callable[[bytes], pygit2.Oid]
     ) -> dict[str, trees.Change]:
         changes: dict[str, trees.Change] = {}
         for fp in parse_patch(text):

@@ -1,13 +1,21 @@
 """The error hierarchy: one root, families that carry what a caller can act on.
 
-Every family maps to one process exit code (see :data:`EXIT_CODES`) so the CLI can
-turn any :class:`GitrunError` into one line and a distinct status.
+Every family maps to one process exit code (:class:`Exit`) so the CLI can turn any
+:class:`GitrunError` into one line and a distinct status. Each family also subclasses
+the built-in a caller would catch (``ValueError`` for input and stored data that do
+not hold, ``PermissionError`` for refused actions, ``TimeoutError`` for locks held too
+long, ``RuntimeError`` for races and ownership), and carries its facts as typed
+attributes. A plain :class:`GitrunError` is a broken invariant of gitrun itself:
+exit 70, like any unexpected exception.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gitrun.records import Receipt
 
 
 class Exit(IntEnum):
@@ -21,17 +29,18 @@ class Exit(IntEnum):
     REFUSED = 5  # integrity refusal: checkpoint, environment or receipt does not hold
     LEASE_LOST = 6  # this worker lost its lease mid-run; the new owner carries on
     CONFLICT = 7  # a compare-and-swap lost a race; nothing of the loser is visible
+    INTERNAL = 70  # a bug in gitrun (EX_SOFTWARE); GITRUN_DEBUG=1 shows the traceback
+    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT); the run resumes from its last checkpoint
 
 
 class GitrunError(Exception):
-    """Root of every error gitrun raises on purpose."""
+    """Root of every error gitrun raises on purpose; raised plain, an internal error."""
 
-    exit_code: Exit = Exit.REFUSED
+    exit_code: Exit = Exit.INTERNAL
 
-    def __init__(self, message: str, **facts: Any) -> None:
+    def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-        self.facts = facts
 
     def __str__(self) -> str:
         return self.message
@@ -57,7 +66,7 @@ class GateRejected(GitrunError, PermissionError):
     exit_code = Exit.REFUSED
 
     def __init__(self, rule: str, message: str) -> None:
-        super().__init__(f"{rule}: {message}", rule=rule)
+        super().__init__(f"{rule}: {message}")
         self.rule = rule
 
 
@@ -68,23 +77,55 @@ class PatchError(GateRejected):
         super().__init__("patch-does-not-apply", message)
 
 
-class CheckpointRejected(GitrunError):
-    """A checkpoint failed verification on load; nothing was changed."""
+class Refused(GitrunError, ValueError):
+    """Integrity refusal: stored state (a ref, a record, the worktree) does not hold.
+
+    Raised plain where no narrower family fits (a symbolic ref, an unreadable registry).
+    """
 
     exit_code = Exit.REFUSED
 
+
+class CheckpointRejected(Refused):
+    """A checkpoint failed verification on load; nothing was changed."""
+
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"checkpoint rejected ({reason}): {message}", reason=reason)
+        super().__init__(f"checkpoint rejected ({reason}): {message}")
         self.reason = reason
 
 
-class InvalidState(GitrunError, ValueError):
-    """A new state failed validation; the high-water mark did not move."""
+class InvalidState(Refused):
+    """A new state failed validation (``rule`` names the invariant); the high-water mark
+    did not move."""
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(f"invalid state ({rule}): {message}")
+        self.rule = rule
+
+
+class LeaseUnreadable(Refused):
+    """The lease ref points at something that is not a gitrun lease (rewritten by hand?)."""
+
+    def __init__(self, oid: str, problem: str) -> None:
+        super().__init__(
+            f"the run's lease ref points at {oid}, which is not a gitrun lease ({problem}); "
+            "no worker may own the run until the ref holds a gitrun lease again"
+        )
+        self.oid = oid
+        self.problem = problem
+
+
+class RefLocked(GitrunError, TimeoutError):
+    """A ref's lock stayed held (by a live process) longer than gitrun waits."""
 
     exit_code = Exit.REFUSED
 
+    def __init__(self, ref: str, message: str) -> None:
+        super().__init__(message)
+        self.ref = ref
 
-class CasFailed(GitrunError):
+
+class CasFailed(GitrunError, RuntimeError):
     """A compare-and-swap lost: the ref no longer held the expected value."""
 
     exit_code = Exit.CONFLICT
@@ -93,73 +134,65 @@ class CasFailed(GitrunError):
         detail = f" ({what})" if what else ""
         super().__init__(
             f"compare-and-swap on {ref} lost{detail}: expected {expected or 'absent'}, "
-            f"found {actual or 'absent'}",
-            ref=ref,
-            expected=expected,
-            actual=actual,
+            f"found {actual or 'absent'}"
         )
         self.ref = ref
         self.expected = expected
         self.actual = actual
 
 
-class EnvironmentDrift(GitrunError):
+class EnvironmentDrift(Refused):
     """The worktree is not the state the checkpoint (or the precondition) names."""
 
-    exit_code = Exit.REFUSED
-
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"environment refused ({reason}): {message}", reason=reason)
+        super().__init__(f"environment refused ({reason}): {message}")
         self.reason = reason
 
 
-class ReceiptDrift(GitrunError):
+class ReceiptDrift(Refused):
     """The receipt cache and the authoritative commit disagree; no replay is claimed."""
 
-    exit_code = Exit.REFUSED
-
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"receipt drift ({reason}): {message}", reason=reason)
+        super().__init__(f"receipt drift ({reason}): {message}")
         self.reason = reason
 
 
-class ReceiptConflict(GitrunError):
+class ReceiptConflict(GitrunError, RuntimeError):
     """Same idempotency key, different intent digest: the run must go to review."""
 
     exit_code = Exit.FROZEN
 
-    def __init__(self, receipt: Any, intent_digest: str) -> None:
+    def __init__(self, receipt: Receipt, intent_digest: str) -> None:
         super().__init__(
             f"idempotency key {receipt.key} already committed as {receipt.commit} with intent "
-            f"{receipt.intent_digest}, not {intent_digest}",
-            receipt=receipt,
+            f"{receipt.intent_digest}, not {intent_digest}"
         )
         self.receipt = receipt
         self.intent_digest = intent_digest
 
 
-class LeaseHeld(GitrunError):
+class LeaseHeld(GitrunError, RuntimeError):
     """Another live worker owns the run."""
 
     exit_code = Exit.OWNED
 
     def __init__(self, owner: str, expires_at: float, message: str) -> None:
-        super().__init__(message, owner=owner, expires_at=expires_at)
+        super().__init__(message)
         self.owner = owner
         self.expires_at = expires_at
 
 
-class LeaseLost(GitrunError):
+class LeaseLost(GitrunError, RuntimeError):
     """This worker's lease was taken over or expired; its late work is refused."""
 
     exit_code = Exit.LEASE_LOST
 
     def __init__(self, owner: str | None, message: str) -> None:
-        super().__init__(message, owner=owner)
+        super().__init__(message)
         self.owner = owner
 
 
-class Frozen(GitrunError):
+class Frozen(GitrunError, RuntimeError):
     """The run waits for a human (approval or review); nothing executes until then."""
 
     exit_code = Exit.FROZEN
@@ -171,11 +204,9 @@ class ApprovalRefused(GitrunError, PermissionError):
     exit_code = Exit.FROZEN
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"evidence refused ({reason}): {message}", reason=reason)
+        super().__init__(f"evidence refused ({reason}): {message}")
         self.reason = reason
 
 
-class KeyFileError(GitrunError):
+class KeyFileError(BadInput):
     """A key file is missing, unreadable, has unsafe permissions, or is malformed."""
-
-    exit_code = Exit.BAD_INPUT

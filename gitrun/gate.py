@@ -16,7 +16,7 @@ import posixpath
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -159,11 +159,11 @@ class Gate:
             return action
         path = normalise_path(action.path)
         self.check_path(path, tree, on_disk=on_disk)
-        if action.kind == "write_file" and action.content is None:
+        if action.kind == "write_file" and action.content_bytes() is None:
             raise GateRejected("malformed-action", "write_file needs content")
         if action.kind == "delete_file" and trees.entry(tree, path) is None:
             raise GateRejected("missing-path", f"{path} does not exist; nothing to delete")
-        return Action(action.kind, path, action.content, action.patch, action.description)
+        return replace(action, path=path)
 
     def check_budgets(self, used: Budgets, started_at: float) -> None:
         limits = self.task.budgets
@@ -207,9 +207,10 @@ class Gate:
             )
 
     def _check_patch(self, action: Action, tree: pygit2.Tree, on_disk: bool) -> None:
-        if not action.patch:
+        patch = action.patch_bytes()
+        if not patch:
             raise GateRejected("malformed-action", "apply_patch needs a patch")
-        patches = parse_patch(action.patch)
+        patches = parse_patch(patch)
         touched = touched_paths(patches)
         for raw in touched:
             path = normalise_path(raw)
@@ -244,14 +245,15 @@ class Gate:
 
     def risk(self, action: Action) -> str | None:
         """The name of the first risk rule the action matches (it needs approval), or None."""
+        patch = action.patch_bytes()
         paths = (
-            touched_paths(parse_patch(action.patch))
-            if action.kind == "apply_patch" and action.patch
+            touched_paths(parse_patch(patch))
+            if action.kind == "apply_patch" and patch
             else (action.path,)
             if action.path
             else ()
         )
-        lines = changed_line_count(parse_patch(action.patch)) if action.patch else 0
+        lines = changed_line_count(parse_patch(patch)) if patch else 0
         for rule in self.policy.risk:
             if rule.actions and action.kind not in rule.actions:
                 continue

@@ -34,7 +34,7 @@ import pygit2
 from pygit2.enums import Option
 
 from gitrun import faults
-from gitrun.errors import CasFailed, GitrunError
+from gitrun.errors import CasFailed, EnvironmentDrift, RefLocked, Refused
 
 STALE_LOCK_GRACE_SECONDS = 1.0
 LOCK_TIMEOUT_SECONDS = 30.0
@@ -56,7 +56,9 @@ def open_repo(path: Path | str) -> pygit2.Repository:
     try:
         return pygit2.Repository(str(path))
     except pygit2.GitError as exc:
-        raise GitrunError(f"{path} is not a git repository: {exc}") from exc
+        raise EnvironmentDrift(
+            "not-a-repository", f"{path} is not a git repository: {exc}"
+        ) from exc
 
 
 def common_dir(repo: pygit2.Repository) -> Path:
@@ -75,7 +77,7 @@ def read_ref(repo: pygit2.Repository, name: str) -> pygit2.Oid | None:
         return None
     target = ref.target
     if not isinstance(target, pygit2.Oid):
-        raise GitrunError(f"ref {name} is symbolic; gitrun expects a direct ref")
+        raise Refused(f"ref {name} is symbolic; gitrun expects a direct ref")
     return target
 
 
@@ -113,7 +115,7 @@ def _clear_stale_lock(cdir: Path, refname: str) -> None:
             lockfile.unlink(missing_ok=True)
             return
         if time.monotonic() > deadline:
-            raise GitrunError(f"ref {refname} stays locked by a process that is not gitrun")
+            raise RefLocked(refname, f"ref {refname} stays locked by a process that is not gitrun")
         time.sleep(0.05)
 
 
@@ -152,9 +154,10 @@ def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]
             try:
                 stack.enter_context(flock(path, LOCK_TIMEOUT_SECONDS))
             except TimeoutError as exc:
-                raise GitrunError(
+                raise RefLocked(
+                    name,
                     f"ref {name} is held by a live gitrun process for over "
-                    f"{LOCK_TIMEOUT_SECONDS:.0f}s; try again when it finishes"
+                    f"{LOCK_TIMEOUT_SECONDS:.0f}s; try again when it finishes",
                 ) from exc
             _clear_stale_lock(cdir, name)
         yield
@@ -184,7 +187,7 @@ def update_ref(
             except pygit2.GitError as exc:
                 # A foreign process holds a ref lock for a moment: retry with jitter.
                 if attempt == 49:
-                    raise GitrunError(f"could not lock {name}: {exc}") from exc
+                    raise RefLocked(name, f"could not lock {name}: {exc}") from exc
                 time.sleep(random.uniform(0.005, 0.03))  # noqa: S311 - jitter, not crypto
                 continue
             return

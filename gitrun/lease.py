@@ -23,7 +23,7 @@ import pygit2
 
 from gitrun import gitstore
 from gitrun.codec import DecodeError, canonical_bytes, decode, encode
-from gitrun.errors import CasFailed, GitrunError, LeaseHeld, LeaseLost
+from gitrun.errors import CasFailed, LeaseHeld, LeaseLost, LeaseUnreadable
 
 if TYPE_CHECKING:
     # filelock (and the logging it pulls in) loads only when a lease is taken or probed.
@@ -72,7 +72,7 @@ def _decode(repo: pygit2.Repository, oid: pygit2.Oid) -> Lease:
     try:
         return decode(Lease, json.loads(gitstore.read_blob(repo, oid)))
     except (ValueError, DecodeError) as exc:
-        raise GitrunError(f"lease object {oid} is unreadable: {exc}") from exc
+        raise LeaseUnreadable(str(oid), str(exc)) from exc
 
 
 def _until(expires_at: float) -> str:

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from gitrun import patch_noise as noise
 from gitrun.errors import PatchError
 
 __all__ = [
@@ -103,8 +104,11 @@ class FilePatch:
         return None not in (self.old_path, self.new_path) and self.old_path != self.new_path
 
 
-def parse_patch(text: str) -> tuple[FilePatch, ...]:
-    """Parse ``git diff`` output (or a plain ``---``/``+++`` diff) into file patches."""
+def parse_patch(text: str | bytes) -> tuple[FilePatch, ...]:
+    """Parse ``git diff`` output (or a plain ``---``/``+++`` diff, ``git format-patch``
+    mail, ``diff -ruN`` output) into file patches. Bytes are taken exactly as they are."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "surrogateescape")
     cur = _Cursor(text)
     patches: list[FilePatch] = []
     while (line := cur.peek()) is not None:
@@ -112,15 +116,49 @@ def parse_patch(text: str) -> tuple[FilePatch, ...]:
             patches.append(_parse_git_patch(cur))
         elif _at_plain_header(cur):
             patches.append(_parse_plain_patch(cur))
-        elif not line.strip():
+        elif not line.strip() or noise.is_diff_command(line):
             cur.take()
+        elif _opens_mail_text(cur, line, after_patch=bool(patches)):
+            _skip_until_patch(cur)
         else:
-            _reject_binary(line, cur.lineno, None)
-            raise _fail(cur.lineno, None, f"unexpected line outside a file patch: {line!r}")
+            _reject_stray(line, cur.lineno)
     if not patches:
         raise PatchError("the patch is empty: it holds no file patches")
     _check_each_path_once(patches)
     return tuple(patches)
+
+
+def _opens_mail_text(cur: _Cursor, line: str, *, after_patch: bool) -> bool:
+    """A mail header (or, after a file patch, a signature) whose text git apply skips."""
+    if after_patch:
+        return noise.is_mail_start(line) or noise.is_signature(line, cur.peek(1))
+    at_top = all(not (cur.peek(-back) or "").strip() for back in range(1, cur.lineno))
+    return noise.starts_preamble(line, at_top=at_top)
+
+
+def _skip_until_patch(cur: _Cursor) -> None:
+    """Skip a mail's header and message (or a signature) up to the next file patch."""
+    cur.take()
+    while (line := cur.peek()) is not None:
+        if line.startswith("diff --git ") or noise.is_mail_start(line):
+            return
+        if _at_plain_header(cur) and (cur.peek(2) or "").startswith("@@ -"):
+            return  # git apply's rule: a ---/+++ pair starts a patch only before a hunk
+        cur.take()
+
+
+def _reject_stray(line: str, lineno: int) -> None:
+    _reject_binary(line, lineno, None)
+    if noise.is_combined_diff(line):
+        raise _fail(lineno, None, "combined (merge) diffs are not supported")
+    if noise.is_only_in(line):
+        raise _fail(
+            lineno,
+            None,
+            f"{line!r}: the diff was made without -N, so it leaves files out; "
+            "make it with diff -ruN",
+        )
+    raise _fail(lineno, None, f"unexpected line outside a file patch: {line!r}")
 
 
 def apply_file_patch(old: bytes | None, fp: FilePatch) -> bytes | None:
@@ -233,7 +271,12 @@ def _parse_hunk(cur: _Cursor, path: str) -> Hunk:
         _mark_no_newline(body, cur.lineno, path)
         cur.take()
     line = cur.peek()
-    if line is not None and line[:1] in (" ", "-", "+") and not _at_file_header(cur):
+    if (
+        line is not None
+        and line[:1] in (" ", "-", "+")
+        and not _at_file_header(cur)
+        and not noise.is_signature(line, cur.peek(1))
+    ):
         raise _fail(
             cur.lineno, path, f"hunk {header!r} at line {start} has more lines than its header says"
         )
@@ -317,7 +360,7 @@ def _parse_git_patch(cur: _Cursor) -> FilePatch:
 
 def _parse_plain_patch(cur: _Cursor) -> FilePatch:
     h = _Header(cur.lineno)
-    _read_sides(cur, h)
+    _read_sides(cur, h, plain=True)
     return _build(h, _read_hunks(cur, h))
 
 
@@ -345,7 +388,9 @@ def _read_extended(h: _Header, key: str, value: str, lineno: int) -> None:
                 h.old_mode = _mode(index.group(1), lineno)
 
 
-def _read_sides(cur: _Cursor, h: _Header) -> None:
+def _read_sides(cur: _Cursor, h: _Header, *, plain: bool = False) -> None:
+    """The ``---``/``+++`` pair. A plain diff's names lose their first directory, whatever
+    it is (``git apply -p1``), and an epoch-dated side is an absent file (GNU ``diff -N``)."""
     lineno = cur.lineno
     minus = cur.take()
     plus = cur.peek()
@@ -353,8 +398,13 @@ def _read_sides(cur: _Cursor, h: _Header) -> None:
         raise _fail(lineno + 1, h.display(), "'---' line not followed by a '+++' line")
     cur.take()
     h.sides = True
-    h.minus = _parse_side(minus[4:], "a/", lineno)
-    h.plus = _parse_side(plus[4:], "b/", lineno + 1)
+    h.minus = _parse_side(minus[4:], None if plain else "a/", lineno)
+    h.plus = _parse_side(plus[4:], None if plain else "b/", lineno + 1)
+    if plain and h.minus is not None and h.plus is not None:
+        if noise.side_is_epoch(minus[4:]):
+            h.minus = None
+        elif noise.side_is_epoch(plus[4:]):
+            h.plus = None
 
 
 def _read_hunks(cur: _Cursor, h: _Header) -> tuple[Hunk, ...]:
@@ -454,14 +504,14 @@ def _split_git_names(rest: str, lineno: int) -> tuple[str, str] | None:
     return None
 
 
-def _parse_side(raw: str, prefix: str, lineno: int) -> str | None:
+def _parse_side(raw: str, prefix: str | None, lineno: int) -> str | None:
     """The path of a ``---``/``+++`` line; None for ``/dev/null``."""
     if raw.split("\t", 1)[0] == "/dev/null":
         return None
     return _parse_name(raw, prefix, lineno)
 
 
-def _parse_name(raw: str, prefix: str, lineno: int) -> str:
+def _parse_name(raw: str, prefix: str | None, lineno: int) -> str:
     """A path as git writes it: C-quoted or bare, a trailing tab (and timestamp) ignored."""
     if raw.startswith('"'):
         name, rest = _unquote(raw, lineno)
@@ -473,10 +523,17 @@ def _parse_name(raw: str, prefix: str, lineno: int) -> str:
         raise _fail(lineno, None, f"path {name!r} ends in a carriage return (CRLF-mangled patch?)")
     if any(ord(char) < 0x20 or ord(char) == 0x7F for char in name):
         raise _fail(lineno, None, f"unquoted path {name!r} holds a control character")
+    if any(0xD800 <= ord(char) <= 0xDFFF for char in name):
+        raise _fail(lineno, None, f"path {name!r} is not UTF-8")
     return _strip(name, prefix, lineno)
 
 
-def _strip(name: str, prefix: str, lineno: int) -> str:
+def _strip(name: str, prefix: str | None, lineno: int) -> str:
+    """``name`` without ``prefix`` (None: without its first directory, as ``-p1`` does)."""
+    if prefix is None:
+        if "/" not in name:
+            raise _fail(lineno, None, f"path {name!r} has no leading directory to strip (-p1)")
+        prefix = name[: name.index("/") + 1]
     if not name.startswith(prefix):
         raise _fail(lineno, None, f"path {name!r} lacks the {prefix!r} prefix")
     path = name[len(prefix) :]
@@ -534,7 +591,7 @@ class _Cursor:
 
     def peek(self, ahead: int = 0) -> str | None:
         index = self._index + ahead
-        return self._lines[index] if index < len(self._lines) else None
+        return self._lines[index] if 0 <= index < len(self._lines) else None
 
     def take(self) -> str:
         line = self.peek()

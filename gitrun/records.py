@@ -6,11 +6,12 @@ canonical JSON and decodes it strictly (unknown field → error).
 
 from __future__ import annotations
 
+import base64
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gitrun.codec import digest, encode
+from gitrun.codec import DecodeError, digest, encode, optional_field
 
 SCHEMA_VERSION = 1
 ADAPTER_NAMESPACE_PREFIX = "git:"
@@ -30,25 +31,93 @@ TERMINAL = (DONE, FAILED)
 
 @dataclass(frozen=True)
 class Action:
-    """A write the agent proposes. Exactly the fields its kind needs are set."""
+    """A write the agent proposes. Exactly the fields its kind needs are set.
+
+    File content and patches are bytes, carried byte-exactly in canonical JSON: as text
+    (``content`` / ``patch``) when they are valid UTF-8, else as base64 (``content_b64``
+    / ``patch_b64``). :meth:`of_bytes` picks the form; never both are set.
+    """
 
     kind: str
     path: str | None = None
     content: str | None = None
     patch: str | None = None
     description: str = ""
+    content_b64: str | None = optional_field()
+    patch_b64: str | None = optional_field()
+
+    def __post_init__(self) -> None:
+        self.content_bytes()  # each payload has one well-formed form, or the record is refused
+        self.patch_bytes()
+
+    @classmethod
+    def of_bytes(
+        cls,
+        kind: str,
+        *,
+        path: str | None = None,
+        content: bytes | None = None,
+        patch: bytes | None = None,
+        description: str = "",
+    ) -> Action:
+        """The action carrying ``content`` / ``patch`` exactly, as text when they are UTF-8."""
+        content_text, content_b64 = _text_or_b64(content)
+        patch_text, patch_b64 = _text_or_b64(patch)
+        return cls(kind, path, content_text, patch_text, description, content_b64, patch_b64)
+
+    def content_bytes(self) -> bytes | None:
+        """The exact bytes a ``write_file`` writes."""
+        return _field_bytes(self.content, self.content_b64, "content")
+
+    def patch_bytes(self) -> bytes | None:
+        """The exact bytes of an ``apply_patch`` diff."""
+        return _field_bytes(self.patch, self.patch_b64, "patch")
 
     def intent(self) -> dict[str, Any]:
-        """The normalised parameters the intent digest is computed over."""
-        return {"kind": self.kind, "path": self.path, "content": self.content, "patch": self.patch}
+        """The normalised parameters the intent digest is computed over: a function of the
+        bytes only (text when UTF-8, base64 otherwise; the base64 keys appear only then, so
+        a UTF-8 action digests exactly as it did before they existed)."""
+        content, content_b64 = _text_or_b64(self.content_bytes())
+        patch, patch_b64 = _text_or_b64(self.patch_bytes())
+        out: dict[str, Any] = {
+            "kind": self.kind, "path": self.path, "content": content, "patch": patch
+        }  # fmt: skip
+        if content_b64 is not None:
+            out["content_b64"] = content_b64
+        if patch_b64 is not None:
+            out["patch_b64"] = patch_b64
+        return out
 
     def intent_digest(self) -> str:
         return digest(self.intent())
 
     def summary(self) -> str:
         if self.kind == "apply_patch":
-            return f"apply_patch ({len((self.patch or '').splitlines())} diff lines)"
+            lines = len((self.patch_bytes() or b"").splitlines())
+            return f"apply_patch ({lines} diff lines)"
         return f"{self.kind} {self.path}"
+
+
+def _text_or_b64(data: bytes | None) -> tuple[str | None, str | None]:
+    """``data`` as (text, None) when it is UTF-8, else (None, base64)."""
+    if data is None:
+        return None, None
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return None, base64.b64encode(data).decode("ascii")
+
+
+def _field_bytes(text: str | None, b64: str | None, name: str) -> bytes | None:
+    """The bytes of a text-or-base64 pair; DecodeError when the pair is malformed."""
+    if text is not None and b64 is not None:
+        raise DecodeError(f"Action.{name}", f"both {name} and {name}_b64 are set")
+    try:
+        if b64 is not None:
+            return base64.b64decode(b64.encode("ascii"), validate=True)
+        return None if text is None else text.encode("utf-8")
+    except (ValueError, UnicodeEncodeError) as exc:  # binascii.Error is a ValueError
+        raise DecodeError(f"Action.{name}", f"not UTF-8 text or base64: {exc}") from exc
 
 
 def new_key() -> str:

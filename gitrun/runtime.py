@@ -21,7 +21,14 @@ from gitrun.approvals import Approvals
 from gitrun.checkpoint import CheckpointStore
 from gitrun.codec import encode
 from gitrun.environment import Environment, Observation
-from gitrun.errors import EnvironmentDrift, Frozen, GateRejected, GitrunError, ReceiptConflict
+from gitrun.errors import (
+    EnvironmentDrift,
+    Frozen,
+    GateRejected,
+    GitrunError,
+    ReceiptConflict,
+    ReceiptDrift,
+)
 from gitrun.gate import Gate
 from gitrun.lease import LeaseManager
 from gitrun.records import (
@@ -46,6 +53,7 @@ from gitrun.task import Task
 from gitrun.verifier import Secrets, VerifierResult, verify_tree
 
 Say = Callable[[str], None]
+AGENT_WRITE_REFUSED = "agent_write_refused"  # stop reason: the agent's last write was refused
 INDEX_SYNC_EVERY = 32  # writes between two syncs of the worktree's index (O(files) each)
 
 
@@ -188,7 +196,16 @@ class Runtime:
             self.commit(replace(s, phase=FAILED, stop_reason="budget_exhausted").with_events(event))
             return
         budgets = replace(s.budgets, proposals=s.budgets.proposals + 1)
-        self.commit(replace(s, cursor=s.cursor + 1, budgets=budgets).with_events(event))
+        nxt = replace(s, cursor=s.cursor + 1, budgets=budgets).with_events(event)
+        last = self.agent.is_last(s.cursor)
+        if last:
+            # The agent's last write did not land, so HEAD is not its work: a verifier
+            # pass now would call a refused change done. An earlier refusal may be
+            # recovered from by the writes after it (a plan's later steps).
+            nxt = replace(nxt, phase=FAILED, stop_reason=AGENT_WRITE_REFUSED)
+        self.commit(nxt)
+        if last:
+            self.say(f"run {s.run_id} failed: the agent's last write was refused ({exc.rule})")
 
     def execute_pending(self) -> None:
         """Execute the pending intent with its own key (windows 2 and 3), then record it.
@@ -258,7 +275,9 @@ class Runtime:
         if p is None:
             raise GitrunError("a receipt needs a pending intent")
         if receipt.key != p.key or receipt.intent_digest != p.intent_digest:
-            raise GitrunError(f"receipt {receipt.commit} is not the pending intent's")
+            raise ReceiptDrift(
+                "not-pending", f"receipt {receipt.commit} is not the pending intent's"
+            )
         if (
             receipt.parent != p.precondition.head
             or receipt.instance_id != p.precondition.instance_id

@@ -19,7 +19,14 @@ from gitrun import gitstore, trees
 from gitrun.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
 from gitrun.codec import encode
 from gitrun.environment import Environment, branch_ref
-from gitrun.errors import BadInput, CheckpointRejected, Frozen, GitrunError, LeaseLost
+from gitrun.errors import (
+    BadInput,
+    CheckpointRejected,
+    Frozen,
+    GitrunError,
+    LeaseLost,
+    LeaseUnreadable,
+)
 from gitrun.keys import load_keyring
 from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, read_lease
 from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
@@ -387,7 +394,6 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
     """Everything a user needs to know about a run, from the verified checkpoint."""
     opened = open_run(run_id, opts)
     rec = opened.record
-    lease, _ = read_lease(opened.repo, rec.run_id)
     out: dict[str, Any] = {
         "run_id": rec.run_id,
         "repo": rec.repo,
@@ -396,9 +402,7 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
         "task_dir": rec.task_dir,
         "workspace": str(opts.workspace.root),
         "key_file": str(opts.workspace.key_file),
-        "lease": None
-        if lease is None
-        else {**encode(lease), "live": lease.expires_at > time.time()},
+        "lease": _lease_info(opened),
     }
     try:
         ref, stored = load_verified(opened, check_scenario=False)
@@ -441,6 +445,15 @@ def status(run_id: str, opts: Options) -> dict[str, Any]:
         "budgets": encode(s.budgets),
         "review": None if s.review is None else encode(s.review),
     }
+
+
+def _lease_info(opened: Opened) -> dict[str, Any] | None:
+    """The lease as status shows it; a ref rewritten to garbage is shown, not fatal."""
+    try:
+        lease, _ = read_lease(opened.repo, opened.record.run_id)
+    except LeaseUnreadable as exc:
+        return {"unreadable": str(exc), "oid": exc.oid}
+    return None if lease is None else {**encode(lease), "live": lease.expires_at > time.time()}
 
 
 def receipts(run_id: str, opts: Options) -> list[dict[str, Any]]:

@@ -14,13 +14,12 @@ from gitrun.records import Action
 def action_diff(repo: pygit2.Repository, action: Action, tree: pygit2.Tree) -> str:
     """The unified diff ``action`` would make against ``tree``."""
     if action.kind == "apply_patch":
-        return action.patch or ""
+        return (action.patch_bytes() or b"").decode("utf-8", "replace")
     path = action.path or "?"
     old = trees.blob_bytes(repo, tree, path) if action.path else None
     old_lines = (old or b"").decode("utf-8", "replace").splitlines(keepends=True)
-    new_lines = (
-        [] if action.kind == "delete_file" else (action.content or "").splitlines(keepends=True)
-    )
+    content = (action.content_bytes() or b"").decode("utf-8", "replace")
+    new_lines = [] if action.kind == "delete_file" else content.splitlines(keepends=True)
     return "".join(difflib.unified_diff(old_lines, new_lines, f"a/{path}", f"b/{path}"))
 
 

@@ -8,6 +8,7 @@ checkpoint made under another scenario.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass
@@ -155,10 +156,24 @@ def _strs(table: dict[str, Any], key: str, where: str, path: Path) -> tuple[str,
 
 
 def _number(table: dict[str, Any], key: str, where: str, path: Path) -> float:
+    """A positive, finite number (TOML also spells ``inf`` and ``nan``)."""
     value = table.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise _fail(path, f"{where}.{key} must be a positive number")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise _fail(path, f"{where}.{key} must be a positive, finite number, not {value!r}")
     return float(value)
+
+
+def _label(table: dict[str, Any], key: str, where: str, path: Path) -> str:
+    """A one-line name (it goes into commit trailers and approval bindings)."""
+    value = _str(table, key, where, path)
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value) or len(value) > 200:
+        raise _fail(path, f"{where}.{key} must be one line of at most 200 printable characters")
+    return value
 
 
 def _int(table: dict[str, Any], key: str, where: str, path: Path) -> int:
@@ -192,7 +207,7 @@ def load_task(task_dir: Path | str) -> Task:
     return Task(
         task_dir=str(tdir),
         id=task_id,
-        version=_str(t, "version", "task", path),
+        version=_label(t, "version", "task", path),
         title=str(t.get("title", "")),
         policy=_policy(_table(doc, "policy", path), path),
         verifier=_verifier(_table(doc, "verifier", path), path),
@@ -216,8 +231,8 @@ def _policy(p: dict[str, Any], path: Path) -> Policy:
     if not isinstance(risk, list):
         raise _fail(path, "policy.risk must be an array of tables [[policy.risk]]")
     return Policy(
-        id=_str(p, "id", "policy", path),
-        version=_str(p, "version", "policy", path),
+        id=_label(p, "id", "policy", path),
+        version=_label(p, "version", "policy", path),
         allowed_actions=actions,
         write_allowlist=_strs(p, "write_allowlist", "policy", path),
         forbidden_paths=_strs(p, "forbidden_paths", "policy", path),
@@ -287,6 +302,12 @@ def _initial(i: dict[str, Any], tdir: Path, path: Path) -> Initial:
         repo_dir = (tdir / _str(i, "repo", "initial", path)).resolve()
         if not repo_dir.is_dir():
             raise _fail(path, f"initial.repo: {repo_dir} is not a directory")
+        if repo_dir == tdir or repo_dir in tdir.parents:
+            raise _fail(
+                path,
+                f"initial.repo: {repo_dir} holds the task directory itself; "
+                'name a directory of base files beside task.toml (e.g. repo = "repo")',
+            )
         return Initial(repo_dir=str(repo_dir), message=message, path=None, commit=None)
     if "path" in i:
         commit = _str(i, "commit", "initial", path)
@@ -302,6 +323,8 @@ def _plan(a: dict[str, Any], tdir: Path, path: Path) -> str | None:
     if "plan" not in a:
         return None
     plan = (tdir / _str(a, "plan", "agent", path)).resolve()
+    if tdir not in plan.parents:
+        raise _fail(path, f"agent.plan: {plan} is outside the task directory {tdir}")
     if not plan.is_file():
         raise _fail(path, f"agent.plan: {plan} does not exist")
     return str(plan)

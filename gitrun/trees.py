@@ -12,7 +12,7 @@ from pathlib import Path
 import pygit2
 from pygit2.enums import FileMode
 
-from gitrun.errors import GitrunError
+from gitrun.errors import GateRejected, TaskError
 
 BLOB = int(FileMode.BLOB)
 EXEC = int(FileMode.BLOB_EXECUTABLE)
@@ -62,7 +62,7 @@ def blob_bytes(repo: pygit2.Repository, tree: pygit2.Tree, path: str) -> bytes |
     if obj is None:
         return None
     if not isinstance(obj, pygit2.Blob):
-        raise GitrunError(f"{path} is a directory in the tree, not a file")
+        raise GateRejected("path-is-directory", f"{path} is a directory in the tree, not a file")
     data: bytes = obj.data
     return data
 
@@ -123,7 +123,7 @@ def tree_from_dir(repo: pygit2.Repository, root: Path) -> pygit2.Oid:
             full = Path(dirpath) / name
             st = full.lstat()
             if not stat.S_ISREG(st.st_mode):
-                raise GitrunError(f"{full}: only regular files can be part of a base tree")
+                raise TaskError(f"{full}: only regular files can be part of a base tree")
             rel = full.relative_to(root).as_posix()
             mode = EXEC if st.st_mode & stat.S_IXUSR else BLOB
             changes[rel] = (repo.create_blob(full.read_bytes()), mode)
@@ -163,7 +163,7 @@ def _hash_tree(root: Path) -> bytes:
             entries.append((name, mode, name))
             oids[name] = _git_hash(b"blob", child.read_bytes())
         else:
-            raise GitrunError(f"{child}: only regular files can be part of a base tree")
+            raise TaskError(f"{child}: only regular files can be part of a base tree")
     return b"".join(mode + b" " + name + b"\0" + oids[name] for _, mode, name in sorted(entries))
 
 

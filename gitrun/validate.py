@@ -20,7 +20,7 @@ from gitrun.records import (
 
 
 def _bad(rule: str, message: str) -> InvalidState:
-    return InvalidState(f"invalid state ({rule}): {message}", rule=rule)
+    return InvalidState(rule, message)
 
 
 def validate_state(state: RunState) -> bytes:  # noqa: PLR0912 - one line per invariant

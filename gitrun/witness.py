@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gitrun import faults, gitstore
-from gitrun.errors import CheckpointRejected, GitrunError
+from gitrun.errors import CheckpointRejected, GitrunError, RefLocked
 from gitrun.keys import Keyring
 
 DOMAIN = b"gitrun-witness/1\n"
@@ -82,9 +82,10 @@ class Witness:
             with gitstore.flock(path.with_name(f".{run_id}.lock"), LOCK_TIMEOUT_SECONDS):
                 yield
         except TimeoutError as exc:
-            raise GitrunError(
+            raise RefLocked(
+                f"witness/{run_id}",
                 f"the witness of run {run_id} is locked by a live gitrun process for over "
-                f"{LOCK_TIMEOUT_SECONDS:.0f}s; try again when it finishes"
+                f"{LOCK_TIMEOUT_SECONDS:.0f}s; try again when it finishes",
             ) from exc
 
     def _ensure_dir(self) -> None:

@@ -27,7 +27,7 @@ import pygit2
 
 from gitrun import gitstore, trees
 from gitrun.codec import DecodeError, decode, encode
-from gitrun.errors import BadInput, GitrunError, UnknownRun
+from gitrun.errors import BadInput, Refused, TaskError, UnknownRun
 from gitrun.task import Task
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -53,10 +53,31 @@ class RunRecord:
     created_at: float
 
 
+def ref_component_problem(name: str) -> str | None:
+    """Why git would refuse ``name`` as one component of a ref name (``git
+    check-ref-format``), or None. The run id names refs, a worktree and files."""
+    checks = (
+        (not name, "is empty"),
+        (name.startswith("."), "starts with '.'"),
+        (name.endswith("."), "ends with '.'"),
+        (name.endswith(".lock"), "ends with '.lock'"),
+        (".." in name, "holds '..'"),
+        ("@{" in name, "holds '@{'"),
+        (name == "@", "is '@'"),
+        (any(ord(c) < 0x20 or ord(c) == 0x7F for c in name), "holds a control character"),
+        (any(c in name for c in " ~^:?*[\\/"), "holds one of space ~ ^ : ? * [ \\ /"),
+    )
+    return next((problem for bad, problem in checks if bad), None)
+
+
 def check_run_id(run_id: str) -> str:
-    if not RUN_ID_RE.match(run_id) or run_id.endswith(".lock") or ".." in run_id:
+    """``run_id`` if it is a valid run id (bad input otherwise, before anything exists)."""
+    problem = ref_component_problem(run_id)
+    if problem is not None or not RUN_ID_RE.match(run_id):
+        why = f": it {problem}" if problem else ""
         raise BadInput(
-            f"run id {run_id!r} is not valid: use letters, digits, '.', '_' and '-' (max 64)"
+            f"run id {run_id!r} is not valid{why}; use letters, digits, '.', '_' and '-' "
+            "(max 64), starting with a letter or digit, not ending in '.' or '.lock'"
         )
     return run_id
 
@@ -101,7 +122,7 @@ class Workspace:
         try:
             return decode(RunRecord, json.loads(path.read_text()))
         except (ValueError, DecodeError) as exc:
-            raise GitrunError(f"run registry {path} is unreadable: {exc}") from exc
+            raise Refused(f"run registry {path} is unreadable: {exc}") from exc
 
     def runs(self) -> list[RunRecord]:
         folder = self.root / "runs"
@@ -113,6 +134,12 @@ class Workspace:
         """The sandbox's repository, with its deterministic base commit on ``main``."""
         if task.initial.repo_dir is None:
             raise BadInput(f"task {task.id} ships no repo; pass --repo PATH")
+        repo_dir = Path(task.initial.repo_dir)
+        if repo_dir == self.root or repo_dir in self.root.parents:
+            raise TaskError(
+                f"{Path(task.task_dir) / 'task.toml'}: initial.repo {repo_dir} contains the "
+                f"gitrun workspace {self.root}; name a directory of base files only"
+            )
         path = self.root / "repos" / task.id
         with_lock = path.parent / f".{task.id}.create"
         path.parent.mkdir(parents=True, exist_ok=True)

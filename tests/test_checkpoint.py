@@ -705,7 +705,7 @@ def test_an_invalid_state_never_advances_the_high_water_mark(
     before = repo_bytes(ws.repo)
     with pytest.raises(InvalidState) as info:
         store.advance(ws.ref, broken, head.oid, None)
-    assert info.value.facts["rule"] == rule, info.value
+    assert info.value.rule == rule, info.value
     assert repo_bytes(ws.repo) == before  # the ref did not move and no object was written
     again = ws.store().load(ws.ref, scenario_parts=None)
     assert (again.oid, again.state) == (head.oid, head.state)

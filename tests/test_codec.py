@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gitrun.codec import DecodeError, canonical_bytes, decode, digest, encode
+from gitrun.codec import OMIT_IF_DEFAULT, DecodeError, canonical_bytes, decode, digest, encode
 from gitrun.records import (
     SCHEMA_VERSION,
     Action,
@@ -55,10 +55,25 @@ json_values = st.recursive(
 )
 
 
+_PAYLOAD = st.none() | st.binary(max_size=8) | st.text(max_size=8).map(str.encode)
+_SPECIAL: dict[Any, st.SearchStrategy[Any]] = {
+    Any: json_values,
+    # an action's payloads are bytes, carried as text or base64 (Action.of_bytes picks)
+    Action: st.builds(
+        Action.of_bytes,
+        st.text(max_size=12),
+        path=st.none() | st.text(max_size=12),
+        content=_PAYLOAD,
+        patch=_PAYLOAD,
+        description=st.text(max_size=12),
+    ),
+}
+
+
 def strategy(tp: Any) -> st.SearchStrategy[Any]:
     """Values of ``tp`` that the codec promises to round-trip."""
-    if tp is Any:
-        return json_values
+    if tp in _SPECIAL:
+        return _SPECIAL[tp]
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         hints = get_type_hints(tp)
         return st.builds(tp, **{f.name: strategy(hints[f.name]) for f in dataclasses.fields(tp)})
@@ -337,7 +352,13 @@ def _with_field(state: RunState) -> st.SearchStrategy[tuple[RunState, str, str]]
         lambda found: st.tuples(
             st.just(state),
             st.just(found[0]),
-            st.sampled_from([f.name for f in dataclasses.fields(found[1])]),
+            st.sampled_from(
+                [
+                    f.name
+                    for f in dataclasses.fields(found[1])
+                    if not f.metadata.get(OMIT_IF_DEFAULT)  # may be absent: added later
+                ]
+            ),
         )
     )
 

@@ -538,7 +538,8 @@ def test_overlapping_or_inconsistent_hunks_are_refused() -> None:
         ("--- a/../etc/passwd\n+++ b/../etc/passwd\n@@ -1 +1 @@\n-a\n+b\n", "unsafe path"),
         ("--- a/.git/config\n+++ b/.git/config\n@@ -1 +1 @@\n-a\n+b\n", "unsafe path"),
         ("--- a//abs\n+++ b//abs\n@@ -1 +1 @@\n-a\n+b\n", "unsafe path"),
-        ("--- x\n+++ x\n@@ -1 +1 @@\n-a\n+b\n", "lacks the 'a/' prefix"),
+        ("--- x\n+++ x\n@@ -1 +1 @@\n-a\n+b\n", "no leading directory to strip"),
+        ("diff --git a/x b/x\n--- x/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n", "lacks the 'a/' prefix"),
         ("--- /dev/null\n+++ /dev/null\n@@ -0,0 +1 @@\n+a\n", "both creates and deletes"),
         ("--- a/x\n+++ b/y\n@@ -1 +1 @@\n-a\n+b\n", "differ without a rename"),
         ("diff --git a/x b/x\n--- a/x\n+++ b/y\n@@ -1 +1 @@\n-a\n+b\n", "disagree on the new path"),
@@ -602,3 +603,156 @@ def test_patch_errors_are_gate_rejections_naming_the_rule() -> None:
         parse_patch("")
     assert caught.value.rule == "patch-does-not-apply"
     assert str(caught.value).startswith("patch-does-not-apply: ")
+
+
+# --- patches as git apply reads them: mail, signature, diff -ruN, bytes ---------------------
+
+
+def _git_apply(tmp: Path, files: Mapping[str, bytes], patch: bytes) -> dict[str, bytes]:
+    """What the real ``git apply`` makes of ``patch`` on ``files`` (the reference)."""
+    tmp.mkdir()
+    ref = Repo(tmp)
+    ref.commit({**files, ".keep": b""})
+    (tmp / "p.diff").write_bytes(patch)
+    ref.git("apply", str(tmp / "p.diff"))
+    return _files(ref.root)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and not rel.startswith(".git/") and rel != ".keep":
+            out[rel] = path.read_bytes()
+    return out
+
+
+def _gnu_diff(tmp: Path, old: Mapping[str, bytes], new: Mapping[str, bytes]) -> bytes:
+    """Real ``diff -ruN`` output between two directories named unlike a/ and b/."""
+    for side, files in (("orig", old), ("fixed", new)):
+        (tmp / side).mkdir()
+        for rel, data in files.items():
+            (tmp / side / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / side / rel).write_bytes(data)
+    done = subprocess.run(
+        ["diff", "-ruN", "orig", "fixed"], cwd=tmp, capture_output=True, check=False, timeout=30
+    )
+    assert done.returncode == 1, done.stderr
+    return done.stdout
+
+
+def _format_patch(repo: Repo, commits: list[Mapping[str, bytes | None]]) -> bytes:
+    """Real ``git format-patch --stdout`` output of one commit per mapping."""
+    for number, change in enumerate(commits, 1):
+        for path, data in change.items():
+            repo.write(path, data)
+        repo.git("add", "-A")
+        repo.git("commit", "-q", "-m", f"change {number}\n\n- a dash line\n+ a plus line\n")
+    return repo.git("format-patch", "--stdout", f"HEAD~{len(commits)}")
+
+
+def test_git_format_patch_mail_is_applied_as_git_apply_applies_it(repo: Repo) -> None:
+    base = {"a.txt": b"one\ntwo\n", "gone.txt": b"bye\n", "src/m.py": LONG}
+    repo.commit(base)
+    mail = _format_patch(
+        repo,
+        [
+            {"a.txt": b"one\n2\n", "new.txt": b"hi\n"},
+            {"gone.txt": None, "src/m.py": LONG.replace(b"return 4\n", b"return 44\n")},
+        ],
+    )
+    assert mail.startswith(b"From ")
+    assert b"\n-- \n" in mail
+    assert b"Subject: [PATCH 1/2]" in mail
+    patches = parse_patch(mail)
+    assert apply_all(base, patches) == _git_apply(repo.root.parent / "ref", base, mail)
+    assert apply_all(base, patches)["a.txt"] == b"one\n2\n"
+
+
+def test_gnu_diff_ruN_output_creates_modifies_and_deletes_as_git_apply_does(
+    tmp_path: Path,
+) -> None:
+    old = {"m.txt": b"1\n2\n3\n", "sub/gone.txt": b"x\ny\n", "keep": b"k\n"}
+    new = {"m.txt": b"1\nTWO\n3\n", "sub/new file.txt": b"fresh\n", "keep": b"k\n"}
+    text = _gnu_diff(tmp_path, old, new)
+    assert b"diff -ruN orig/m.txt fixed/m.txt" in text
+    assert b"1970-01-01" in text
+    patches = parse_patch(text)
+    gone = next(fp for fp in patches if fp.path == "sub/gone.txt")
+    created = next(fp for fp in patches if fp.path == "sub/new file.txt")
+    assert (gone.old_path, gone.new_path) == ("sub/gone.txt", None)
+    assert (created.old_path, created.new_path) == (None, "sub/new file.txt")
+    assert apply_all(old, patches) == new
+    assert apply_all(old, patches) == _git_apply(tmp_path / "ref", old, text)
+
+
+@pytest.mark.parametrize("tz", ["UTC", "America/New_York", "Asia/Kolkata"])
+def test_an_epoch_dated_side_in_any_time_zone_is_an_absent_file(tmp_path: Path, tz: str) -> None:
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+    (tmp_path / "a" / "gone.txt").write_bytes(b"x\n")
+    (tmp_path / "b" / "new.txt").write_bytes(b"y\n")
+    env = {**os.environ, "TZ": tz}
+    done = subprocess.run(
+        ["diff", "-ruN", "a", "b"],
+        cwd=tmp_path,
+        capture_output=True,
+        env=env,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 1
+    gone, new = parse_patch(done.stdout)
+    assert (gone.path, gone.new_path, new.path, new.old_path) == ("gone.txt", None, "new.txt", None)
+    assert apply_file_patch(b"x\n", gone) is None
+    assert apply_file_patch(None, new) == b"y\n"
+
+
+def test_an_epoch_date_on_a_file_that_has_lines_left_is_refused_not_emptied() -> None:
+    text = "--- a/f\t2024-01-01 10:00:00 +0000\n+++ b/f\t1970-01-01 00:00:00 +0000\n"
+    text += "@@ -1,2 +1 @@\n a\n-b\n"
+    (fp,) = parse_patch(text)
+    with pytest.raises(PatchError, match="deletes the file but leaves 1 line"):
+        apply_file_patch(b"a\nb\n", fp)
+
+
+def test_a_diff_r_without_N_is_refused_because_it_leaves_files_out(tmp_path: Path) -> None:
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+    (tmp_path / "a" / "f").write_bytes(b"1\n")
+    (tmp_path / "b" / "f").write_bytes(b"2\n")
+    (tmp_path / "b" / "only").write_bytes(b"new\n")
+    done = subprocess.run(
+        ["diff", "-ru", "a", "b"], cwd=tmp_path, capture_output=True, check=False, timeout=30
+    )
+    message = refusal(done.stdout.decode())
+    assert "made without -N" in message
+    assert "Only in b: only" in message
+
+
+def test_prose_around_a_diff_is_still_refused_where_no_mail_header_opens_it() -> None:
+    assert "unexpected line outside a file patch" in refusal(SIMPLE + "\nthanks!\n")
+    assert "unexpected line outside a file patch" in refusal("Here you go:\n" + SIMPLE)
+
+
+def test_a_signature_does_not_hide_a_hunk_longer_than_its_header() -> None:
+    text = SIMPLE.replace("@@ -1,3 +1,3 @@", "@@ -1,2 +1,2 @@") + "-- \n2.39.2\n"
+    assert "more lines than its header says" in refusal(text)
+
+
+def test_a_patch_that_is_not_utf8_applies_byte_exactly(repo: Repo) -> None:
+    old = b"caf\xe9\r\nna\xefve\n"
+    new = b"caf\xe9 au lait\r\nna\xefve\n\xff\n"
+    repo.commit({"latin1.txt": old})
+    repo.write("latin1.txt", new)
+    raw = repo.git("diff", "--no-color")
+    with pytest.raises(UnicodeDecodeError):
+        raw.decode("utf-8")
+    (fp,) = parse_patch(raw)
+    assert apply_file_patch(old, fp) == new
+
+
+def test_an_unquoted_path_that_is_not_utf8_is_refused() -> None:
+    assert "is not UTF-8" in refusal(
+        b"--- a/\xff\n+++ b/\xff\n@@ -1 +1 @@\n-a\n+b\n".decode("utf-8", "surrogateescape")
+    )
