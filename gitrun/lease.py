@@ -15,6 +15,8 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -119,6 +121,21 @@ def fence_guard(repo: pygit2.Repository, run_id: str, fence: Fence) -> gitstore.
     return gitstore.Guard(lease_ref(run_id), check)
 
 
+@contextmanager
+def fenced(repo: pygit2.Repository, run_id: str, fence: Fence) -> Iterator[None]:
+    """Hold the lease ref's OS lock and check the lease is still ``fence`` under it.
+
+    Every change of the lease (a takeover's acquire included) takes that same lock, so
+    what the block writes (the worktree's instance id, the registry) lands before any
+    new owner holds the run, or not at all: a stale worker gets :class:`LeaseLost`.
+    Inside the block no ``update_ref`` may fence on the lease (its lock is ours).
+    """
+    ref = lease_ref(run_id)
+    with gitstore.os_locks(repo, [ref]):
+        fence_guard(repo, run_id, fence).check(gitstore.read_ref(repo, ref))
+        yield
+
+
 class LeaseManager:
     """Acquire, renew and release one run's lease for one worker."""
 
@@ -128,6 +145,7 @@ class LeaseManager:
         self.repo = repo
         self.run_id = run_id
         self.worker = worker
+        gitstore.set_worker(worker)  # named in the ref locks it takes: who holds what
         self.duration = duration
         self.lease: Lease | None = None
         self._oid: pygit2.Oid | None = None
@@ -235,6 +253,14 @@ class LeaseManager:
                     f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left); "
                     "retry later or pass --takeover-after",
                 )
+        try:
+            # Free for us: re-read under the lease's OS lock, so a worker stopped while
+            # holding it (in a write, or setting up) is named now, before we write.
+            with gitstore.os_locks(self.repo, [lease_ref(self.run_id)]):
+                current, oid = read_lease(self.repo, self.run_id)
+        except GitrunError:
+            self._drop_owner_lock()
+            raise
         return current, oid
 
     def renew(self, state_version: int | None = None) -> Lease:
