@@ -15,18 +15,25 @@ from typing import Any
 
 import pygit2
 
-from gitrun import gitstore, trees
+from gitrun import faults, gitstore, trees
 from gitrun.agents import ScriptAgent, load_agent
 from gitrun.approvals import Approvals, approval_claims, review_claims, submit
 from gitrun.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
 from gitrun.codec import encode
 from gitrun.environment import Environment, branch_ref
-from gitrun.errors import BadInput, CheckpointRejected, Frozen, GitrunError, LeaseLost
+from gitrun.errors import (
+    BadInput,
+    CheckpointRejected,
+    Frozen,
+    GitrunError,
+    KeyFileError,
+    LeaseLost,
+)
 from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, load_trust_roots
 from gitrun.evidence import sign as sign_evidence
 from gitrun.evidence import verify as verify_evidence
-from gitrun.keys import load_keyring
-from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, read_lease
+from gitrun.keys import Keyring, load_keyring
+from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, fenced, read_lease
 from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
 from gitrun.recovery import reconcile
 from gitrun.runtime import Runtime, begin
@@ -80,13 +87,17 @@ def _base_parts(task: Task, repo: pygit2.Repository, record_base: str | None) ->
 def start(
     task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: str, run_id: str | None
 ) -> RunState:
-    """Create a run (worktree, first checkpoint) and drive it to an end or a freeze."""
+    """Create a run (worktree, first checkpoint) and drive it to an end or a freeze.
+
+    A run id that exists already is continued like ``resume`` when every input is the
+    same (a finished run reports its result again); other inputs are refused by name.
+    """
     task = load_task(task_dir)
     agent, recorded_spec = load_agent(agent_spec, task)
     ws = opts.workspace
     rid = check_run_id(run_id) if run_id else new_run_id(task.id)
-    if (ws.root / "runs" / f"{rid}.json").exists():
-        raise BadInput(f"run {rid} already exists; resume it with `gitrun resume {rid}`")
+    if ws.exists(rid):
+        return _start_again(ws.load(rid), task, agent, recorded_spec, repo_path, opts)
     if repo_path is not None:
         repo, base = user_repo(repo_path, task.initial.commit)
     elif task.initial.path is not None:
@@ -97,19 +108,96 @@ def start(
         raise BadInput(
             f"branch gitrun/{rid} already exists in {repo.workdir}; pick another --run-id"
         )
-    load_keyring(ws.key_file)  # a bad key file fails before the run exists; bad input makes no key
+    keyring = _keyring_for_new_run(ws)  # a bad key file fails before the run exists
     record = RunRecord(
         rid,
-        str(Path(repo.path).parent if not repo.is_bare else repo.path),
+        _repo_dir(repo),
         task.task_dir,
         str(ws.worktree_path(rid)),
         branch_ref(rid),
         recorded_spec,
         str(base),
         time.time(),
+        created_by=opts.worker,
+        agent_identity=agent.identity,
+        scenario_parts=_base_parts(task, repo, str(base)),
+        setup_done=False,
     )
-    ws.save(record)
-    return _setup_and_run(record, task, repo, agent, keyring_store(repo, ws), opts)
+    faults.point("setup_before_register")
+    ws.register(record)  # the first durable act of the run, and exclusive
+    return _setup_and_run(record, task, repo, agent, CheckpointStore(repo, keyring), opts)
+
+
+def _repo_dir(repo: pygit2.Repository) -> str:
+    return str(Path(repo.path).parent if not repo.is_bare else repo.path)
+
+
+def _keyring_for_new_run(ws: Workspace) -> Keyring:
+    """The workspace's keyring, created (exclusively) only while no run depends on it."""
+    # Every run creates the keyring before it registers: a run seen here whose keyring
+    # is absent when looked at again means the keyring was lost, not not-yet-written.
+    if not ws.key_file.exists() and ws.runs_ids() and not ws.key_file.exists():
+        raise KeyFileError(
+            f"key file {ws.key_file} is missing but the workspace {ws.root} has runs "
+            "signed with it; restore it from a backup (or pass --key-file), a fresh "
+            "key would leave every existing run unverifiable"
+        )
+    return load_keyring(ws.key_file)
+
+
+def _start_again(
+    record: RunRecord,
+    task: Task,
+    agent: ScriptAgent,
+    spec: str,
+    repo_path: Path | None,
+    opts: Options,
+) -> RunState:
+    """``gitrun run`` of an existing run id: the same inputs continue it like resume."""
+    differs = _differences(record, task, agent, spec, repo_path, opts.workspace)
+    if differs:
+        raise BadInput(
+            f"run {record.run_id} already exists with other inputs: {'; '.join(differs)}; "
+            f"continue it with `gitrun resume {record.run_id}` or pick another --run-id"
+        )
+    return resume(record.run_id, opts, Path(task.task_dir))
+
+
+def _differences(
+    record: RunRecord,
+    task: Task,
+    agent: ScriptAgent,
+    spec: str,
+    repo_path: Path | None,
+    ws: Workspace,
+) -> list[str]:
+    """What this start's inputs change against the run's (empty: the same run)."""
+    out = []
+    if task.task_dir != record.task_dir:
+        out.append(f"task dir {task.task_dir} (the run's is {record.task_dir})")
+    if spec != record.agent:
+        out.append(f"agent {spec} (the run's is {record.agent})")
+    elif record.agent_identity and agent.identity != record.agent_identity:
+        out.append(f"agent {spec}: its plan or patch content changed")
+    repo_dir = _repo_dir_of(task, ws, repo_path)
+    if str(Path(repo_dir).resolve()) != str(Path(record.repo).resolve()):
+        out.append(f"repo {repo_dir} (the run's is {record.repo})")
+    if record.scenario_parts and not out:
+        parts = _base_parts(task, gitstore.open_repo(record.repo), record.base_commit)
+        changed = sorted(k for k in parts.keys() | record.scenario_parts.keys()
+                         if parts.get(k) != record.scenario_parts.get(k))  # fmt: skip
+        if changed:
+            out.append(f"task file content ({', '.join(changed)})")
+    return out
+
+
+def _repo_dir_of(task: Task, ws: Workspace, repo_path: Path | None) -> str:
+    """The repository a start with these inputs would use (found, never created)."""
+    where = repo_path if repo_path is not None else task.initial.path
+    if where is None:
+        return str(ws.root / "repos" / task.id)
+    found = pygit2.discover_repository(str(where)) if Path(where).exists() else None
+    return str(Path(found).parent) if found else str(where)
 
 
 def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
@@ -131,12 +219,14 @@ def _setup_and_run(
         lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
         lease.acquire(0, opts.takeover_after)
     try:
+        faults.point("setup_lease_taken")
         env = Environment.create(
             repo,
             record.run_id,
             pygit2.Oid(hex=record.base_commit),
             Path(record.worktree),
             f"{task.id}@{task.version}",
+            fence=lease.fence,
         )
         rt = begin(
             task=task,
@@ -150,10 +240,19 @@ def _setup_and_run(
             say=opts.say,
             approvals=opts.approvals,
         )
+        _mark_set_up(opts.workspace, repo, record.run_id, lease)
         opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
         return _drive(rt)
     finally:
         _release(lease)
+
+
+def _mark_set_up(ws: Workspace, repo: pygit2.Repository, run_id: str, lease: LeaseManager) -> None:
+    """Record in the registry that the first checkpoint is durable (lease holder only)."""
+    with fenced(repo, run_id, lease.fence):
+        current = ws.load(run_id)
+        if not current.setup_done:
+            ws.save(replace(current, setup_done=True))
 
 
 def _release(lease: LeaseManager) -> None:
@@ -214,7 +313,9 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     opened = open_run(run_id, opts, task_dir)
     record, task = opened.record, opened.task
     agent, _ = load_agent(record.agent, task)
-    if _the_ref(opened) is None and _never_started(opened):
+    if _the_ref(opened) is None:
+        if record.setup_done:
+            raise _mark_missing(opened)
         restarted = _restart_setup(opened, agent, opts)
         if restarted is not None:
             return restarted
@@ -247,6 +348,8 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
         # read and our lease: continue only from the checkpoint read under the lease.
         ref, stored = load_verified(opened)
         approvals.require_roots(stored.state)
+        if not record.setup_done:  # killed between its first checkpoint and saying so
+            _mark_set_up(opts.workspace, opened.repo, record.run_id, lease)
         if stored.state.phase in TERMINAL:
             return stored.state
         return _continue(_runtime(opened, ref, stored, lease, agent, opts), opts)
@@ -289,6 +392,20 @@ def _continue(rt: Runtime, opts: Options) -> RunState:
     return _drive(rt)
 
 
+def _mark_missing(opened: Opened) -> CheckpointRejected:
+    """The refusal for a set-up run whose checkpoint ref is gone: never re-create it."""
+    rec = opened.record
+    missing = f"its checkpoint ref (refs/gitrun/runs/{rec.run_id}/checkpoints/...)"
+    if gitstore.read_ref(opened.repo, rec.branch) is None:
+        missing += f" and its branch {rec.branch}"
+    return CheckpointRejected(
+        "high-water-mark-missing",
+        f"run {rec.run_id} finished its setup but {missing} are missing from {rec.repo}; "
+        f"nothing was changed (worktree {rec.worktree} kept): restore them from a backup "
+        f"with `git update-ref`, or start over under another --run-id",
+    )
+
+
 def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunState | None:
     """A run that died before its first checkpoint: start its setup again, once we own it.
 
@@ -298,21 +415,41 @@ def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunStat
     record = opened.record
     lease = LeaseManager(opened.repo, record.run_id, opts.worker, opts.lease_seconds)
     lease.acquire(0, opts.takeover_after)
-    if _the_ref(opened) is not None or not _never_started(opened):
+    if _the_ref(opened) is not None:
         _release(lease)
         return None
     try:
-        _discard_setup(opened)
+        _check_unstarted(opened)
+        with fenced(opened.repo, record.run_id, lease.fence):
+            _discard_setup(opened)
+        # A first checkpoint killed inside its ref transaction left <ref>.lock on a ref
+        # named after the discarded instance, which no later write locks.
+        _clear_stale_locks(opened)
     except BaseException:
         _release(lease)
         raise
     return _setup_and_run(record, opened.task, opened.repo, agent, opened.store, opts, lease=lease)
 
 
-def _never_started(opened: Opened) -> bool:
-    """No checkpoint was ever written: the branch is absent or still at the base."""
-    tip = gitstore.read_ref(opened.repo, opened.record.branch)
-    return tip is None or str(tip) == opened.record.base_commit
+def _check_unstarted(opened: Opened) -> None:
+    """Refuse to redo a setup unless all of gitrun's own evidence says none finished.
+
+    The registry says setup (it is marked done once the first checkpoint is durable);
+    the branch must be absent or at the base and no receipt may exist. Anything else
+    is work this resume must not discard.
+    """
+    rec = opened.record
+    tip = gitstore.read_ref(opened.repo, rec.branch)
+    prefix = f"refs/gitrun/runs/{rec.run_id}/receipts/"
+    receipts = [r for r in opened.repo.references if r.startswith(prefix)]
+    if rec.setup_done or (tip is not None and str(tip) != rec.base_commit) or receipts:
+        raise CheckpointRejected(
+            "high-water-mark-missing",
+            f"run {rec.run_id} has no checkpoint ref, yet its branch or receipts show work "
+            f"was done; nothing was changed (worktree {rec.worktree} kept): restore the "
+            "checkpoint ref from a backup with `git update-ref`, or start over under another "
+            "--run-id",
+        )
 
 
 def _discard_setup(opened: Opened) -> None:
@@ -330,9 +467,6 @@ def _discard_setup(opened: Opened) -> None:
         gitstore.update_ref(
             opened.repo, rec.branch, tip, None, message="gitrun: discard unstarted run"
         )
-    # A first checkpoint killed inside its ref transaction left <ref>.lock on a ref named
-    # after the discarded instance, which no later write locks.
-    _clear_stale_locks(opened)
 
 
 def _clear_stale_locks(opened: Opened) -> None:
