@@ -15,7 +15,7 @@ from typing import Any
 
 import pygit2
 
-from gitrun import faults, gitstore, trees
+from gitrun import faults, gitstore, starting, trees
 from gitrun.agents import ScriptAgent, load_agent
 from gitrun.approvals import Approvals, approval_claims, review_claims, submit
 from gitrun.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
@@ -26,13 +26,12 @@ from gitrun.errors import (
     CheckpointRejected,
     Frozen,
     GitrunError,
-    KeyFileError,
     LeaseLost,
 )
 from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, load_trust_roots
 from gitrun.evidence import sign as sign_evidence
 from gitrun.evidence import verify as verify_evidence
-from gitrun.keys import Keyring, load_keyring
+from gitrun.keys import load_keyring
 from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, fenced, read_lease
 from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
 from gitrun.recovery import reconcile
@@ -108,10 +107,10 @@ def start(
         raise BadInput(
             f"branch gitrun/{rid} already exists in {repo.workdir}; pick another --run-id"
         )
-    keyring = _keyring_for_new_run(ws)  # a bad key file fails before the run exists
+    keyring = starting.keyring_for_new_run(ws)  # a bad key file fails before the run exists
     record = RunRecord(
         rid,
-        _repo_dir(repo),
+        starting.repo_dir(repo),
         task.task_dir,
         str(ws.worktree_path(rid)),
         branch_ref(rid),
@@ -128,23 +127,6 @@ def start(
     return _setup_and_run(record, task, repo, agent, CheckpointStore(repo, keyring), opts)
 
 
-def _repo_dir(repo: pygit2.Repository) -> str:
-    return str(Path(repo.path).parent if not repo.is_bare else repo.path)
-
-
-def _keyring_for_new_run(ws: Workspace) -> Keyring:
-    """The workspace's keyring, created (exclusively) only while no run depends on it."""
-    # Every run creates the keyring before it registers: a run seen here whose keyring
-    # is absent when looked at again means the keyring was lost, not not-yet-written.
-    if not ws.key_file.exists() and ws.runs_ids() and not ws.key_file.exists():
-        raise KeyFileError(
-            f"key file {ws.key_file} is missing but the workspace {ws.root} has runs "
-            "signed with it; restore it from a backup (or pass --key-file), a fresh "
-            "key would leave every existing run unverifiable"
-        )
-    return load_keyring(ws.key_file)
-
-
 def _start_again(
     record: RunRecord,
     task: Task,
@@ -154,50 +136,16 @@ def _start_again(
     opts: Options,
 ) -> RunState:
     """``gitrun run`` of an existing run id: the same inputs continue it like resume."""
-    differs = _differences(record, task, agent, spec, repo_path, opts.workspace)
+    differs = starting.differences(
+        record, task, agent, spec, repo_path, opts.workspace,
+        lambda repo, base: _base_parts(task, repo, base),
+    )  # fmt: skip
     if differs:
         raise BadInput(
             f"run {record.run_id} already exists with other inputs: {'; '.join(differs)}; "
             f"continue it with `gitrun resume {record.run_id}` or pick another --run-id"
         )
     return resume(record.run_id, opts, Path(task.task_dir))
-
-
-def _differences(
-    record: RunRecord,
-    task: Task,
-    agent: ScriptAgent,
-    spec: str,
-    repo_path: Path | None,
-    ws: Workspace,
-) -> list[str]:
-    """What this start's inputs change against the run's (empty: the same run)."""
-    out = []
-    if task.task_dir != record.task_dir:
-        out.append(f"task dir {task.task_dir} (the run's is {record.task_dir})")
-    if spec != record.agent:
-        out.append(f"agent {spec} (the run's is {record.agent})")
-    elif record.agent_identity and agent.identity != record.agent_identity:
-        out.append(f"agent {spec}: its plan or patch content changed")
-    repo_dir = _repo_dir_of(task, ws, repo_path)
-    if str(Path(repo_dir).resolve()) != str(Path(record.repo).resolve()):
-        out.append(f"repo {repo_dir} (the run's is {record.repo})")
-    if record.scenario_parts and not out:
-        parts = _base_parts(task, gitstore.open_repo(record.repo), record.base_commit)
-        changed = sorted(k for k in parts.keys() | record.scenario_parts.keys()
-                         if parts.get(k) != record.scenario_parts.get(k))  # fmt: skip
-        if changed:
-            out.append(f"task file content ({', '.join(changed)})")
-    return out
-
-
-def _repo_dir_of(task: Task, ws: Workspace, repo_path: Path | None) -> str:
-    """The repository a start with these inputs would use (found, never created)."""
-    where = repo_path if repo_path is not None else task.initial.path
-    if where is None:
-        return str(ws.root / "repos" / task.id)
-    found = pygit2.discover_repository(str(where)) if Path(where).exists() else None
-    return str(Path(found).parent) if found else str(where)
 
 
 def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
@@ -240,19 +188,11 @@ def _setup_and_run(
             say=opts.say,
             approvals=opts.approvals,
         )
-        _mark_set_up(opts.workspace, repo, record.run_id, lease)
+        starting.mark_set_up(opts.workspace, repo, record.run_id, lease.fence)
         opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
         return _drive(rt)
     finally:
         _release(lease)
-
-
-def _mark_set_up(ws: Workspace, repo: pygit2.Repository, run_id: str, lease: LeaseManager) -> None:
-    """Record in the registry that the first checkpoint is durable (lease holder only)."""
-    with fenced(repo, run_id, lease.fence):
-        current = ws.load(run_id)
-        if not current.setup_done:
-            ws.save(replace(current, setup_done=True))
 
 
 def _release(lease: LeaseManager) -> None:
@@ -315,7 +255,7 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     agent, _ = load_agent(record.agent, task)
     if _the_ref(opened) is None:
         if record.setup_done:
-            raise _mark_missing(opened)
+            raise starting.mark_missing(opened.repo, record)
         restarted = _restart_setup(opened, agent, opts)
         if restarted is not None:
             return restarted
@@ -349,7 +289,7 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
         ref, stored = load_verified(opened)
         approvals.require_roots(stored.state)
         if not record.setup_done:  # killed between its first checkpoint and saying so
-            _mark_set_up(opts.workspace, opened.repo, record.run_id, lease)
+            starting.mark_set_up(opts.workspace, opened.repo, record.run_id, lease.fence)
         if stored.state.phase in TERMINAL:
             return stored.state
         return _continue(_runtime(opened, ref, stored, lease, agent, opts), opts)
@@ -392,20 +332,6 @@ def _continue(rt: Runtime, opts: Options) -> RunState:
     return _drive(rt)
 
 
-def _mark_missing(opened: Opened) -> CheckpointRejected:
-    """The refusal for a set-up run whose checkpoint ref is gone: never re-create it."""
-    rec = opened.record
-    missing = f"its checkpoint ref (refs/gitrun/runs/{rec.run_id}/checkpoints/...)"
-    if gitstore.read_ref(opened.repo, rec.branch) is None:
-        missing += f" and its branch {rec.branch}"
-    return CheckpointRejected(
-        "high-water-mark-missing",
-        f"run {rec.run_id} finished its setup but {missing} are missing from {rec.repo}; "
-        f"nothing was changed (worktree {rec.worktree} kept): restore them from a backup "
-        f"with `git update-ref`, or start over under another --run-id",
-    )
-
-
 def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunState | None:
     """A run that died before its first checkpoint: start its setup again, once we own it.
 
@@ -419,7 +345,7 @@ def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunStat
         _release(lease)
         return None
     try:
-        _check_unstarted(opened)
+        starting.check_unstarted(opened.repo, record)
         with fenced(opened.repo, record.run_id, lease.fence):
             _discard_setup(opened)
         # A first checkpoint killed inside its ref transaction left <ref>.lock on a ref
@@ -429,27 +355,6 @@ def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunStat
         _release(lease)
         raise
     return _setup_and_run(record, opened.task, opened.repo, agent, opened.store, opts, lease=lease)
-
-
-def _check_unstarted(opened: Opened) -> None:
-    """Refuse to redo a setup unless all of gitrun's own evidence says none finished.
-
-    The registry says setup (it is marked done once the first checkpoint is durable);
-    the branch must be absent or at the base and no receipt may exist. Anything else
-    is work this resume must not discard.
-    """
-    rec = opened.record
-    tip = gitstore.read_ref(opened.repo, rec.branch)
-    prefix = f"refs/gitrun/runs/{rec.run_id}/receipts/"
-    receipts = [r for r in opened.repo.references if r.startswith(prefix)]
-    if rec.setup_done or (tip is not None and str(tip) != rec.base_commit) or receipts:
-        raise CheckpointRejected(
-            "high-water-mark-missing",
-            f"run {rec.run_id} has no checkpoint ref, yet its branch or receipts show work "
-            f"was done; nothing was changed (worktree {rec.worktree} kept): restore the "
-            "checkpoint ref from a backup with `git update-ref`, or start over under another "
-            "--run-id",
-        )
 
 
 def _discard_setup(opened: Opened) -> None:

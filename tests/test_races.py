@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -260,12 +261,23 @@ def test_a_run_killed_during_setup_is_set_up_again_by_resume(gitrun: Gitrun, poi
 # -- 10.3: the keyring is created once ----------------------------------------------------
 
 
-def test_concurrent_first_runs_in_a_fresh_workspace_all_stay_verifiable(gitrun: Gitrun) -> None:
-    runs = [f"r{i}" for i in range(6)]
+def test_concurrent_first_runs_in_a_fresh_workspace_all_stay_verifiable(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    # A repository of the user's (--repo): no sandbox creation to serialise the starts.
+    repo = tmp_path / "repo"
+    shutil.copytree(FIX_MEDIAN / "repo", repo)
+    git(tmp_path, "init", "-q", "-b", "main", str(repo))
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "base")
+    runs = [f"r{i}" for i in range(8)]
     procs = [
-        gitrun.popen("run", str(FIX_MEDIAN), "--run-id", rid, GITRUN_CRASH_AT="before_propose")
+        gitrun.popen(
+            "run", str(FIX_MEDIAN), "--repo", str(repo), "--run-id", rid,
+            GITRUN_CRASH_AT="before_propose",
+        )
         for rid in runs
-    ]
+    ]  # fmt: skip
     for proc in procs:
         proc.communicate(timeout=120)
         assert proc.returncode == -signal.SIGKILL  # killed after its first checkpoint
@@ -273,6 +285,43 @@ def test_concurrent_first_runs_in_a_fresh_workspace_all_stay_verifiable(gitrun: 
     for rid in runs:
         stored = service.verify(rid, ws, None)  # the same check as `gitrun checkpoint verify`
         assert stored.state.generation == 1
+
+
+KEYRING_RACER = """
+import os, sys, time
+from pathlib import Path
+from gitrun.keys import load_keyring
+
+path, go = Path(sys.argv[1]), Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.001)
+print(load_keyring(path).active)
+"""
+
+
+def test_processes_creating_the_keyring_at_the_same_instant_all_read_one_keyring(
+    tmp_path: Path,
+) -> None:
+    keyring, go = tmp_path / "keys" / "checkpoint.keyring", tmp_path / "go"
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", KEYRING_RACER, str(keyring), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(8)
+    ]
+    time.sleep(1.5)  # every racer imported and spinning at the barrier
+    go.write_text("go")
+    seen = set()
+    for racer in racers:
+        out, err = racer.communicate(timeout=60)
+        assert racer.returncode == 0, err
+        seen.add(out.strip())
+    (active,) = seen  # one keyring, whoever made it
+    assert json.loads(keyring.read_text())["active"] == active
+    assert not list(keyring.parent.glob("*.tmp-*"))
 
 
 def test_a_missing_keyring_in_a_workspace_with_runs_is_an_error_not_a_fresh_key(
@@ -451,6 +500,12 @@ def test_run_again_with_other_inputs_exits_2_naming_what_differs(
     patch.write_bytes((FIX_MEDIAN / "model.patch").read_bytes())
     assert "agent" in differs(str(task), "--agent", f"patch:{patch}")
     assert "task dir" in differs(str(FIX_MEDIAN))
+    other = tmp_path / "other-repo"
+    git(tmp_path, "init", "-q", "-b", "main", str(other))
+    (other / "f.txt").write_text("f\n")
+    git(other, "add", ".")
+    git(other, "commit", "-q", "-m", "base")
+    assert "repo" in differs(str(task), "--repo", str(other))
     toml = task / "task.toml"
     original = toml.read_text()
     toml.write_text(original.replace("max_steps = 10", "max_steps = 11"))
