@@ -121,6 +121,7 @@ def start(
         agent_identity=agent.identity,
         scenario_parts=_base_parts(task, repo, str(base)),
         setup_done=False,
+        key_file=str(ws.key_file.resolve()),
     )
     faults.point("setup_before_register")
     ws.register(record)  # the first durable act of the run, and exclusive

@@ -32,16 +32,33 @@ def repo_dir(repo: pygit2.Repository) -> str:
 
 
 def keyring_for_new_run(ws: Workspace) -> Keyring:
-    """The workspace's keyring, created (exclusively) only while no run depends on it."""
-    # Every run creates the keyring before it registers: a run seen here whose keyring
+    """The keyring a new run signs with, created (exclusively) only if no run needs it."""
+    # Every run creates its keyring before it registers: a run seen here whose keyring
     # is absent when looked at again means the keyring was lost, not not-yet-written.
-    if not ws.key_file.exists() and ws.runs_ids() and not ws.key_file.exists():
-        raise KeyFileError(
-            f"key file {ws.key_file} is missing but the workspace {ws.root} has runs "
-            "signed with it; restore it from a backup (or pass --key-file): a fresh "
-            "key would leave every existing run unverifiable"
-        )
+    if not ws.key_file.exists():
+        users = runs_keyed_by(ws, ws.key_file)
+        if users and not ws.key_file.exists():
+            raise KeyFileError(
+                f"key file {ws.key_file} is missing but {len(users)} run(s) of {ws.root} "
+                f"(e.g. {users[0]}) are signed with it; restore it from a backup (or pass "
+                "--key-file): a fresh key would leave them unverifiable"
+            )
     return load_keyring(ws.key_file)
+
+
+def runs_keyed_by(ws: Workspace, key_file: Path) -> list[str]:
+    """The registered runs whose checkpoints ``key_file`` signs."""
+    default, wanted = ws.root / "keys" / "checkpoint.keyring", key_file.resolve()
+    out = []
+    for rid in ws.runs_ids():
+        try:
+            recorded = ws.load(rid).key_file
+        except GitrunError:
+            out.append(rid)  # unreadable: in doubt, it may need this keyring
+            continue
+        if Path(recorded or default).resolve() == wanted:
+            out.append(rid)
+    return out
 
 
 def differences(

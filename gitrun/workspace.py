@@ -60,6 +60,7 @@ class RunRecord:
     agent_identity: str = ""
     scenario_parts: dict[str, str] = field(default_factory=dict)
     setup_done: bool = True
+    key_file: str = ""  # the keyring that signs its checkpoints ("": the workspace's)
 
 
 class RunTaken(GitrunError):
