@@ -111,7 +111,10 @@ def run(
     quiet: QuietOpt = False,
     trust_roots: TrustOpt = None,
 ) -> None:
-    """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
+    """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human.
+
+    An existing --run-id with the same inputs continues like resume; other inputs exit 2.
+    """
     opts = _options(workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots)
     _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=agent, run_id=run_id))
 
