@@ -205,13 +205,8 @@ class Environment(WorktreeFiles):
     def observe(self, full: bool = True) -> Observation:
         """Instance, HEAD commit and tree, and (when ``full``) a digest of ``git status``."""
         instance = self.instance_id()
-        self.check_head_on_branch()
-        wt_head = self.wt.head.target
+        self.check_head_on_branch()  # so the worktree's HEAD is the branch's commit too
         head = self.head()
-        if wt_head != head.id:
-            raise EnvironmentDrift(
-                "head-detached", f"the worktree's HEAD {wt_head} is not on {self.branch}"
-            )
         dirty: tuple[str, ...] = ()
         status = CLEAN_STATUS
         if full:
