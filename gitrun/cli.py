@@ -141,7 +141,10 @@ def run(
     trust_roots: TrustOpt = None,
     isolation: IsolationOpt = None,
 ) -> None:
-    """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
+    """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human.
+
+    An existing --run-id with the same inputs continues like resume; other inputs exit 2.
+    """
     opts = _options(
         workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots, isolation
     )

@@ -9,13 +9,15 @@ derived from it and repaired when a crash leaves them behind.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import secrets
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from gitrun.errors import (
     ReceiptConflict,
     Refused,
 )
-from gitrun.lease import Fence, fence_guard
+from gitrun.lease import Fence, fenced
 from gitrun.patch import apply_file_patch, parse_patch
 from gitrun.receipts import GitReceiptLog
 from gitrun.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
@@ -103,24 +105,36 @@ class Environment(WorktreeFiles):
 
     @classmethod
     def create(
-        cls, repo: pygit2.Repository, run_id: str, base: pygit2.Oid, worktree: Path, task_label: str
+        cls,
+        repo: pygit2.Repository,
+        run_id: str,
+        base: pygit2.Oid,
+        worktree: Path,
+        task_label: str,
+        *,
+        fence: Fence | None = None,
     ) -> Environment:
-        """Branch at ``base``, a worktree on it, and a fresh instance id in its git dir."""
-        if worktree.exists():
-            raise EnvironmentDrift("worktree-exists", f"{worktree} already exists")
-        branch = branch_ref(run_id)
-        gitstore.update_ref(repo, branch, None, base, message="gitrun: run branch", what="branch")
-        worktree.parent.mkdir(parents=True, exist_ok=True)
-        ref = repo.references[branch]
-        repo.add_worktree(f"gitrun-{run_id}", str(worktree), ref)
-        env = cls(repo, run_id, worktree, task_label)
-        gitdir = Path(env.wt.path)
-        (gitdir / INDEX_BASE_FILE).write_text(str(base))  # add_worktree checked out base
-        record = {"instance_id": str(uuid.uuid4()), "worktree": str(worktree.resolve())}
-        tmp = gitdir / (INSTANCE_FILE + ".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, gitdir / INSTANCE_FILE)
-        gitstore.fsync_dir(gitdir)
+        """Branch at ``base``, a worktree on it, and a fresh instance id in its git dir.
+
+        With ``fence``, all of it happens under the lease ref's OS lock with the lease
+        checked first (:func:`gitrun.lease.fenced`): a worker whose run was taken over
+        while it was stopped creates nothing, and a takeover cannot start half-way.
+        """
+        guard = fenced(repo, run_id, fence) if fence else contextlib.nullcontext()
+        with guard:
+            if worktree.exists():
+                raise EnvironmentDrift("worktree-exists", f"{worktree} already exists")
+            branch = branch_ref(run_id)
+            gitstore.update_ref(
+                repo, branch, None, base, message="gitrun: run branch", what="branch"
+            )
+            worktree.parent.mkdir(parents=True, exist_ok=True)
+            repo.add_worktree(f"gitrun-{run_id}", str(worktree), repo.references[branch])
+            faults.point("setup_worktree_added")
+            env = cls(repo, run_id, worktree, task_label)
+            gitdir = Path(env.wt.path)
+            (gitdir / INDEX_BASE_FILE).write_text(str(base))  # add_worktree checked out base
+            _create_instance(gitdir, worktree)
         return env
 
     @property
@@ -162,16 +176,35 @@ class Environment(WorktreeFiles):
             raise EnvironmentDrift("branch-not-commit", f"{self.branch} does not point at a commit")
         return commit
 
+    def check_head_on_branch(self) -> None:
+        """The worktree's HEAD must be the symbolic ref to the run's branch.
+
+        A detached HEAD or another branch at the same commit looks identical by commit
+        and files, but the next write moves only the run's branch and leaves that HEAD
+        behind: refuse before writing, saying how to put it back.
+        """
+        head = self.wt.references.get("HEAD")
+        target = head.target if head is not None else None
+        if isinstance(target, str) and target == self.branch:
+            return
+        what = (
+            f"detached at {str(target)[:12]}"
+            if isinstance(target, pygit2.Oid)
+            else f"on {target or 'nothing'}"
+        )
+        short = self.branch.removeprefix("refs/heads/")
+        raise EnvironmentDrift(
+            "head-not-on-branch",
+            f"the worktree's HEAD is {what}, not {short}; put it back with "
+            f"`git -C {self.worktree} checkout {short}` and resume; nothing was written",
+        )
+
     def observe(self, full: bool = True, skip: Collection[str] = ()) -> Observation:
         """Instance, HEAD commit and tree, and (when ``full``) a digest of ``git status``
         (without the paths in ``skip``)."""
         instance = self.instance_id()
-        wt_head = self.wt.head.target
+        self.check_head_on_branch()  # so the worktree's HEAD is the branch's commit too
         head = self.head()
-        if wt_head != head.id:
-            raise EnvironmentDrift(
-                "head-detached", f"the worktree's HEAD {wt_head} is not on {self.branch}"
-            )
         dirty: tuple[str, ...] = ()
         status = CLEAN_STATUS
         if full:
@@ -278,12 +311,9 @@ class Environment(WorktreeFiles):
         if approval is not None and approval.expires_at <= time.time():
             raise GateRejected("approval-expired", "the approval expired before the write")
 
-    @contextmanager
-    def fenced(self, fence: Fence) -> Iterator[None]:
-        guard = fence_guard(self.repo, self.run_id, fence)
-        with gitstore.os_locks(self.repo, [guard.name]):
-            guard.check(gitstore.read_ref(self.repo, guard.name))
-            yield
+    def fenced(self, fence: Fence) -> AbstractContextManager[None]:
+        """The worktree's files change only under the lease's OS lock (lease.fenced)."""
+        return fenced(self.repo, self.run_id, fence)
 
     def check_writable(self, action: Action, tree: pygit2.Tree) -> None:
         """Refuse, writing nothing, when the disk would stop ``action`` from executing
@@ -376,6 +406,27 @@ class Environment(WorktreeFiles):
             None, sig, sig, "\n".join(lines) + "\n", tree, [head.id]
         )
         return oid
+
+
+def _create_instance(gitdir: Path, worktree: Path) -> None:
+    """Write the worktree's instance id, durably, where none exists (never replace one)."""
+    record = {"instance_id": str(uuid.uuid4()), "worktree": str(worktree.resolve())}
+    tmp = gitdir / f"{INSTANCE_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, json.dumps(record).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.link(tmp, gitdir / INSTANCE_FILE)
+    except FileExistsError as exc:
+        raise EnvironmentDrift(
+            "instance-exists", f"{gitdir} already holds an instance id; it is never replaced"
+        ) from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    gitstore.fsync_dir(gitdir)
 
 
 def _expiry_check(approval: Approval) -> Callable[[pygit2.Oid | None], None]:

@@ -18,6 +18,9 @@ PAUSE_VAR = "GITRUN_PAUSE_AT"
 
 # name -> the crash window it sits in (DESIGN.md §3), shown by `gitrun debug crash-points`.
 POINTS: dict[str, str] = {
+    "setup_before_register": "setup: inputs checked, the run not registered yet (run again)",
+    "setup_lease_taken": "setup: registered and leased, no branch or worktree yet",
+    "setup_worktree_added": "setup: branch and worktree made, no instance id yet",
     "before_propose": "window 1: before a proposal; the last checkpoint is complete",
     "after_intent_checkpoint": "window 2: intent persisted, no evidence of the write",
     "after_write_commit_object": "window 2: the commit object exists but no ref points to it",

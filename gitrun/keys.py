@@ -52,17 +52,49 @@ def _new_key_id() -> str:
     return "hk-" + secrets.token_hex(6)
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Create ``path`` with mode 0600 atomically; never widen permissions."""
+MIN_SECRET_BYTES = 16
+
+
+def _private_temp(path: Path, data: bytes) -> Path:
+    """Write ``data`` to a fresh 0600 file beside ``path`` (durably), return its path."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+    return tmp
+
+
+def _create_private(path: Path, data: bytes) -> None:
+    """Create ``path`` (0600) complete or not at all; FileExistsError if it exists.
+
+    ``link`` fails on an existing name where ``rename`` would replace it: of several
+    processes creating the first keyring at once, one wins and all read its keys.
+    """
+    tmp = _private_temp(path, data)
+    try:
+        os.link(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _replace_private(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically (0600): for rotation, which must overwrite."""
+    tmp = _private_temp(path, data)
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _dump(active: str, keys: dict[str, bytes]) -> bytes:
@@ -80,9 +112,9 @@ def load_keyring(path: Path, create: bool = True) -> Keyring:
         if not create:
             raise KeyFileError(f"key file {path} does not exist")
         kid = _new_key_id()
-        # Another process may create it first: then read theirs.
+        # Another process may create it first: then every process reads theirs.
         with contextlib.suppress(FileExistsError):
-            _write_private(path, _dump(kid, {kid: secrets.token_bytes(32)}))
+            _create_private(path, _dump(kid, {kid: secrets.token_bytes(32)}))
     return _read_keyring(path)
 
 
@@ -108,6 +140,12 @@ def _read_keyring(path: Path) -> Keyring:
         ) from exc
     if schema != KEYRING_SCHEMA or active not in keys:
         raise KeyFileError(f"key file {path} is not a gitrun keyring (schema or active key)")
+    weak = sorted(k for k, v in keys.items() if not k or len(v) < MIN_SECRET_BYTES)
+    if weak:
+        raise KeyFileError(
+            f"key file {path} holds an empty or short key ({weak[0]!r}: keys are at least "
+            f"{MIN_SECRET_BYTES} bytes); restore the keyring from a backup"
+        )
     return Keyring(str(path), active, keys)
 
 
@@ -117,5 +155,5 @@ def rotate_keyring(path: Path) -> str:
     keys = dict(ring._secrets)
     kid = _new_key_id()
     keys[kid] = secrets.token_bytes(32)
-    _write_private(path, _dump(kid, keys))
+    _replace_private(path, _dump(kid, keys))
     return kid

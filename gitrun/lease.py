@@ -15,6 +15,8 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +25,7 @@ import pygit2
 
 from gitrun import gitstore
 from gitrun.codec import DecodeError, canonical_bytes, decode, encode
-from gitrun.errors import CasFailed, LeaseHeld, LeaseLost, LeaseUnreadable
+from gitrun.errors import CasFailed, GitrunError, LeaseHeld, LeaseLost, LeaseUnreadable
 
 if TYPE_CHECKING:
     # filelock (and the logging it pulls in) loads only when a lease is taken or probed.
@@ -125,6 +127,21 @@ def fence_guard(repo: pygit2.Repository, run_id: str, fence: Fence) -> gitstore.
     return gitstore.Guard(lease_ref(run_id), check)
 
 
+@contextmanager
+def fenced(repo: pygit2.Repository, run_id: str, fence: Fence) -> Iterator[None]:
+    """Hold the lease ref's OS lock and check the lease is still ``fence`` under it.
+
+    Every change of the lease (a takeover's acquire included) takes that same lock, so
+    what the block writes (the worktree's instance id, the registry) lands before any
+    new owner holds the run, or not at all: a stale worker gets :class:`LeaseLost`.
+    Inside the block no ``update_ref`` may fence on the lease (its lock is ours).
+    """
+    ref = lease_ref(run_id)
+    with gitstore.os_locks(repo, [ref]):
+        fence_guard(repo, run_id, fence).check(gitstore.read_ref(repo, ref))
+        yield
+
+
 class LeaseManager:
     """Acquire, renew and release one run's lease for one worker."""
 
@@ -134,6 +151,7 @@ class LeaseManager:
         self.repo = repo
         self.run_id = run_id
         self.worker = worker
+        gitstore.set_worker(worker)  # named in the ref locks it takes: who holds what
         self.duration = duration
         self.lease: Lease | None = None
         self._oid: pygit2.Oid | None = None
@@ -243,6 +261,14 @@ class LeaseManager:
                     f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left); "
                     "retry later or pass --takeover-after",
                 )
+        try:
+            # Free for us: re-read under the lease's OS lock, so a worker stopped while
+            # holding it (in a write, or setting up) is named now, before we write.
+            with gitstore.os_locks(self.repo, [lease_ref(self.run_id)]):
+                current, oid = read_lease(self.repo, self.run_id)
+        except GitrunError:
+            self._drop_owner_lock()
+            raise
         return current, oid
 
     def renew(self, state_version: int | None = None) -> Lease:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pygit2
 
-from gitrun import trees
+from gitrun import gitstore, trees
 from gitrun.codec import encode
 from gitrun.errors import EnvironmentDrift, GateRejected, ReceiptDrift
 from gitrun.records import RunState
@@ -63,6 +63,8 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
             "other-instance",
             f"worktree instance {instance} is not the checkpoint's {s.env.instance_id}",
         )
+    _require_branch(rt)
+    env.check_head_on_branch()
     tip = env.head()
     checkpointed = pygit2.Oid(hex=s.env.head)
     if tip.id != checkpointed and not env.repo.descendant_of(tip.id, checkpointed):
@@ -125,6 +127,18 @@ def _own_leftovers(rt: Runtime, *, apply: bool) -> list[str]:
         rt.env.remove_leftovers(paths, rt.lease.fence)
         return []
     return rt.env.leftovers(paths)
+
+
+def _require_branch(rt: Runtime) -> None:
+    """The run's branch must exist; if not, say which commit the checkpoint names."""
+    env, head = rt.env, rt.state.env.head
+    if gitstore.read_ref(env.repo, env.branch) is None:
+        raise EnvironmentDrift(
+            "branch-missing",
+            f"{env.branch} does not exist; the checkpoint names {head}: restore it with "
+            f"`git -C {env.repo.workdir or env.repo.path} update-ref {env.branch} {head}` "
+            "and resume; nothing was changed",
+        )
 
 
 def _require_exact(rt: Runtime, s: RunState, skip: list[str]) -> None:

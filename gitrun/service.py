@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pygit2
 
-from gitrun import gitstore, trees
+from gitrun import faults, gitstore, starting, trees
 from gitrun.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
 from gitrun.codec import encode
 from gitrun.environment import Environment, branch_ref
@@ -28,7 +28,7 @@ from gitrun.errors import (
     LeaseUnreadable,
 )
 from gitrun.keys import load_keyring
-from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, read_lease
+from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, fenced, read_lease
 from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
 from gitrun.task import Task, load_task
 from gitrun.witness import Witness
@@ -100,15 +100,19 @@ def _base_parts(task: Task, repo: pygit2.Repository, record_base: str | None) ->
 def start(
     task_dir: Path, opts: Options, *, repo_path: Path | None, agent_spec: str, run_id: str | None
 ) -> RunState:
-    """Create a run (worktree, first checkpoint) and drive it to an end or a freeze."""
+    """Create a run (worktree, first checkpoint) and drive it to an end or a freeze.
+
+    A run id that exists already is continued like ``resume`` when every input is the
+    same (a finished run reports its result again); other inputs are refused by name.
+    """
     from gitrun.agents import load_agent
 
     task = load_task(task_dir)
     agent, recorded_spec = load_agent(agent_spec, task)
     ws = opts.workspace
     rid = check_run_id(run_id) if run_id else new_run_id(task.id)
-    if (ws.root / "runs" / f"{rid}.json").exists():
-        raise BadInput(f"run {rid} already exists; resume it with `gitrun resume {rid}`")
+    if ws.exists(rid):
+        return _start_again(ws.load(rid), task, agent, recorded_spec, repo_path, opts)
     if repo_path is not None:
         repo, base = user_repo(repo_path, task.initial.commit)
     elif task.initial.path is not None:
@@ -119,19 +123,46 @@ def start(
         raise BadInput(
             f"branch gitrun/{rid} already exists in {repo.workdir}; pick another --run-id"
         )
-    load_keyring(ws.key_file)  # a bad key file fails before the run exists; bad input makes no key
+    keyring = starting.keyring_for_new_run(ws)  # a bad key file fails before the run exists
     record = RunRecord(
         rid,
-        str(Path(repo.path).parent if not repo.is_bare else repo.path),
+        starting.repo_dir(repo),
         task.task_dir,
         str(ws.worktree_path(rid)),
         branch_ref(rid),
         recorded_spec,
         str(base),
         time.time(),
+        created_by=opts.worker,
+        agent_identity=agent.identity,
+        scenario_parts=_base_parts(task, repo, str(base)),
+        setup_done=False,
+        key_file=str(ws.key_file.resolve()),
     )
-    ws.save(record)
-    return _setup_and_run(record, task, repo, agent, keyring_store(repo, ws), opts)
+    faults.point("setup_before_register")
+    ws.register(record)  # the first durable act of the run, and exclusive
+    return _setup_and_run(record, task, repo, agent, CheckpointStore(repo, keyring), opts)
+
+
+def _start_again(
+    record: RunRecord,
+    task: Task,
+    agent: ScriptAgent,
+    spec: str,
+    repo_path: Path | None,
+    opts: Options,
+) -> RunState:
+    """``gitrun run`` of an existing run id: the same inputs continue it like resume."""
+    differs = starting.differences(
+        record, task, agent, spec, repo_path, opts.workspace,
+        lambda repo, base: _base_parts(task, repo, base),
+    )  # fmt: skip
+    if differs:
+        raise BadInput(
+            f"run {record.run_id} already exists with other inputs: {'; '.join(differs)}; "
+            f"continue it with `gitrun resume {record.run_id}` or pick another --run-id"
+        )
+    return resume(record.run_id, opts, Path(task.task_dir))
 
 
 def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
@@ -157,12 +188,14 @@ def _setup_and_run(
         lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
         lease.acquire(0, opts.takeover_after)
     try:
+        faults.point("setup_lease_taken")
         env = Environment.create(
             repo,
             record.run_id,
             pygit2.Oid(hex=record.base_commit),
             Path(record.worktree),
             f"{task.id}@{task.version}",
+            fence=lease.fence,
         )
         rt = begin(
             task=task,
@@ -178,6 +211,7 @@ def _setup_and_run(
             isolation=opts.isolation,
             secrets=opts.secrets,
         )
+        starting.mark_set_up(opts.workspace, repo, record.run_id, lease.fence)
         opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
         return _drive(rt)
     finally:
@@ -246,7 +280,10 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     from gitrun.recovery import reconcile
 
     agent, _ = load_agent(record.agent, task)
-    if _the_ref(opened) is None and _never_started(opened):
+    if _the_ref(opened) is None:
+        witness = opened.store.witness
+        if record.setup_done or (witness is not None and witness.path(run_id).exists()):
+            raise starting.mark_missing(opened.repo, record)
         restarted = _restart_setup(opened, agent, opts)
         if restarted is not None:
             return restarted
@@ -279,6 +316,8 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
         # read and our lease: continue only from the checkpoint read under the lease.
         ref, stored = load_verified(opened)
         approvals.require_roots(stored.state)
+        if not record.setup_done:  # killed between its first checkpoint and saying so
+            starting.mark_set_up(opts.workspace, opened.repo, record.run_id, lease.fence)
         if stored.state.phase in TERMINAL:
             return stored.state
         return _continue(_runtime(opened, ref, stored, lease, agent, opts), opts)
@@ -336,25 +375,20 @@ def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunStat
     record = opened.record
     lease = LeaseManager(opened.repo, record.run_id, opts.worker, opts.lease_seconds)
     lease.acquire(0, opts.takeover_after)
-    if _the_ref(opened) is not None or not _never_started(opened):
+    if _the_ref(opened) is not None:
         _release(lease)
         return None
     try:
-        _discard_setup(opened)
+        starting.check_unstarted(opened.repo, record)
+        with fenced(opened.repo, record.run_id, lease.fence):
+            _discard_setup(opened)
+        # A first checkpoint killed inside its ref transaction left <ref>.lock on a ref
+        # named after the discarded instance, which no later write locks.
+        _clear_stale_locks(opened)
     except BaseException:
         _release(lease)
         raise
     return _setup_and_run(record, opened.task, opened.repo, agent, opened.store, opts, lease=lease)
-
-
-def _never_started(opened: Opened) -> bool:
-    """No checkpoint was ever written: the branch is absent or still at the base, and
-    no witness exists (a deleted checkpoint ref must not restart the run from scratch)."""
-    witness = opened.store.witness
-    if witness is not None and witness.path(opened.record.run_id).exists():
-        return False
-    tip = gitstore.read_ref(opened.repo, opened.record.branch)
-    return tip is None or str(tip) == opened.record.base_commit
 
 
 def _discard_setup(opened: Opened) -> None:
@@ -372,9 +406,6 @@ def _discard_setup(opened: Opened) -> None:
         gitstore.update_ref(
             opened.repo, rec.branch, tip, None, message="gitrun: discard unstarted run"
         )
-    # A first checkpoint killed inside its ref transaction left <ref>.lock on a ref named
-    # after the discarded instance, which no later write locks.
-    _clear_stale_locks(opened)
 
 
 def _clear_stale_locks(opened: Opened) -> None:

@@ -20,14 +20,14 @@ import re
 import secrets
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import pygit2
 
 from gitrun import gitstore, trees
 from gitrun.codec import DecodeError, decode, encode
-from gitrun.errors import BadInput, Refused, TaskError, UnknownRun
+from gitrun.errors import BadInput, Exit, GitrunError, Refused, TaskError, UnknownRun
 from gitrun.task import Task
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -43,6 +43,14 @@ def default_home() -> Path:
 
 @dataclass(frozen=True)
 class RunRecord:
+    """Where a run lives, and the inputs it was started with (to compare a re-run).
+
+    ``setup_done`` is False from registration until the first checkpoint is durable:
+    the evidence that lets resume redo an interrupted setup, and refuse (never
+    re-create) a run whose checkpoint ref went missing after it. Records written before
+    the field existed read as True: in doubt, refuse.
+    """
+
     run_id: str
     repo: str
     task_dir: str
@@ -51,6 +59,30 @@ class RunRecord:
     agent: str
     base_commit: str
     created_at: float
+    created_by: str = ""  # the worker that registered the run
+    agent_identity: str = ""
+    scenario_parts: dict[str, str] = field(default_factory=dict)
+    setup_done: bool = True
+    key_file: str = ""  # the keyring that signs its checkpoints ("": the workspace's)
+
+
+class RunTaken(GitrunError):
+    """Another process registered the same run id first; nothing of it was touched."""
+
+    exit_code = Exit.CONFLICT
+
+
+def _with_defaults(data: object) -> object:
+    """A record as stored, with fields added since it was written at their defaults."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for f in fields(RunRecord):
+        if f.name not in out and f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.name not in out and f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
 
 
 def ref_component_problem(name: str) -> str | None:
@@ -105,30 +137,62 @@ class Workspace:
     def _record_path(self, run_id: str) -> Path:
         return self.root / "runs" / f"{check_run_id(run_id)}.json"
 
-    def save(self, record: RunRecord) -> None:
+    def _temp_record(self, record: RunRecord) -> tuple[Path, Path]:
         path = self._record_path(record.run_id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         tmp.write_text(json.dumps(encode(record), indent=1))
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        return path, tmp
+
+    def register(self, record: RunRecord) -> None:
+        """Create the run's record, complete, or raise :class:`RunTaken` if it exists.
+
+        ``link`` refuses an existing name (``rename`` would replace it): of two
+        ``gitrun run --run-id X`` at once exactly one registers, the other changes nothing.
+        """
+        path, tmp = self._temp_record(record)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            winner = self.load(record.run_id)
+            by = f" by worker {winner.created_by}" if winner.created_by else ""
+            raise RunTaken(
+                f"run {record.run_id} was registered first{by} (at "
+                f"{time.strftime('%H:%M:%S', time.localtime(winner.created_at))}); nothing "
+                f"of it was touched: follow it with `gitrun status {record.run_id}` or "
+                f"`gitrun resume {record.run_id}`"
+            ) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        gitstore.fsync_dir(path.parent)
+
+    def save(self, record: RunRecord) -> None:
+        """Replace the run's record atomically (its lease holder only, see lease.fenced)."""
+        path, tmp = self._temp_record(record)
         os.replace(tmp, path)
         gitstore.fsync_dir(path.parent)
+
+    def exists(self, run_id: str) -> bool:
+        return self._record_path(run_id).is_file()
 
     def load(self, run_id: str) -> RunRecord:
         path = self._record_path(run_id)
         if not path.is_file():
             raise UnknownRun(f"unknown run id {run_id!r}: no {path}; see `gitrun list`")
         try:
-            return decode(RunRecord, json.loads(path.read_text()))
+            return decode(RunRecord, _with_defaults(json.loads(path.read_text())))
         except (ValueError, DecodeError) as exc:
             raise Refused(f"run registry {path} is unreadable: {exc}") from exc
 
-    def runs(self) -> list[RunRecord]:
+    def runs_ids(self) -> list[str]:
+        """The registered run ids (without reading their records)."""
         folder = self.root / "runs"
-        if not folder.is_dir():
-            return []
-        return [self.load(p.stem) for p in sorted(folder.glob("*.json"))]
+        return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+
+    def runs(self) -> list[RunRecord]:
+        return [self.load(rid) for rid in self.runs_ids()]
 
     def sandbox_repo(self, task: Task) -> tuple[pygit2.Repository, pygit2.Oid]:
         """The sandbox's repository, with its deterministic base commit on ``main``."""

@@ -236,13 +236,24 @@ def test_run_id_that_could_escape_the_registry_is_bad_input(gitrun: Gitrun, comm
     _bad_input(gitrun, command, "../secret", expect=("run id", "not valid"))
 
 
-def test_run_id_that_already_exists_is_refused_without_touching_the_run(gitrun: Gitrun) -> None:
+def test_run_id_that_already_exists_with_other_inputs_is_refused_without_touching_the_run(
+    gitrun: Gitrun,
+) -> None:
     first = gitrun("run", str(MEDIAN), "--run-id", "once", "-q")
     assert first.code == Exit.DONE, first.err
     repo = gitrun.repo("fix-median")
     refs_before = snapshot(repo)
+    patch = gitrun.home.parent / "model.patch"
+    patch.write_bytes((MEDIAN / "model.patch").read_bytes())
     err = _bad_input(
-        gitrun, "run", str(MEDIAN), "--run-id", "once", expect=("once", "already exists")
+        gitrun,
+        "run",
+        str(MEDIAN),
+        "--run-id",
+        "once",
+        "--agent",
+        f"patch:{patch}",
+        expect=("once", "already exists", "agent"),
     )
     assert "gitrun resume once" in err
     assert snapshot(repo) == refs_before

@@ -177,6 +177,8 @@ class Baseline:
 
     def passes(self, point: str) -> int:
         """How often an uninterrupted run reaches ``point`` (the step protocol, DESIGN.md §3)."""
+        if point.startswith("setup_"):
+            return 1  # once per run, before its first checkpoint
         if point == "before_propose":
             return self.proposals + self.verified  # each plan step, then the one that finishes
         if point.startswith(("checkpoint_ref_", "checkpoint_witness_")):
@@ -345,7 +347,11 @@ def crash_and_resume(baseline: Baseline, case: CrashCase, root: Path) -> CrashCa
     if case.problems:
         return case
     if case.reached:
-        resumed = cli("resume", RUN_ID, "-q")
+        # Killed before it was registered: nothing to resume, and nothing that blocks
+        # running it again.
+        registered = (cli.home / "runs" / f"{RUN_ID}.json").exists()
+        again = ["resume", RUN_ID] if registered else ["run", str(SANDBOXES / case.sandbox)]
+        resumed = cli(*again, *([] if registered else ["--run-id", RUN_ID]), "-q")
         if resumed.returncode != baseline.code:
             case.problems.append(
                 f"resume exit {resumed.returncode}, not {baseline.code}: "
