@@ -27,7 +27,7 @@ from gitrun.errors import (
     LeaseLost,
     LeaseUnreadable,
 )
-from gitrun.keys import load_keyring
+from gitrun.keys import Keyring, load_keyring
 from gitrun.lease import DEFAULT_DURATION, LeaseManager, default_worker_id, fenced, read_lease
 from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
 from gitrun.task import Task, load_task
@@ -141,7 +141,7 @@ def start(
     )
     faults.point("setup_before_register")
     ws.register(record)  # the first durable act of the run, and exclusive
-    return _setup_and_run(record, task, repo, agent, CheckpointStore(repo, keyring), opts)
+    return _setup_and_run(record, task, repo, agent, checkpoint_store(repo, ws, keyring), opts)
 
 
 def _start_again(
@@ -166,9 +166,13 @@ def _start_again(
 
 
 def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
-    """The checkpoint store of an existing run: its keyring must exist (never made here).
-    Always with the workspace's freshness witness: a signature alone proves no freshness."""
-    keyring = load_keyring(ws.key_file, create=False)
+    """The checkpoint store of an existing run: its keyring must exist (never made here)."""
+    return checkpoint_store(repo, ws, load_keyring(ws.key_file, create=False))
+
+
+def checkpoint_store(repo: pygit2.Repository, ws: Workspace, keyring: Keyring) -> CheckpointStore:
+    """The one way the product builds a checkpoint store: always with the workspace's
+    freshness witness, since a signature alone proves no freshness."""
     return CheckpointStore(repo, keyring, Witness(ws.witness_dir, keyring))
 
 

@@ -466,6 +466,7 @@ class KillRun:
     kills_in_run: int = 0  # the run was registered: resume had something to recover
     kills_before_registration: int = 0  # nothing to resume: `gitrun run` again
     kills_in_resume: int = 0
+    temp_file_hits: int = 0  # kills that left a `.NAME.gitrun-tmp-<hex>` for the next owner
     problems: list[str] = field(default_factory=list)
 
 
@@ -504,6 +505,9 @@ def kill_at_random(baseline: Baseline, run: KillRun) -> KillRun:
             break
         # Killed before the run was even registered: there is nothing to resume, start again.
         registered = (cli.home / "runs" / f"{rid}.json").exists()
+        worktree = cli.home / "worktrees" / rid
+        if worktree.is_dir() and any(worktree.rglob("*.gitrun-tmp-*")):
+            run.temp_file_hits += 1
         if args[0] == "resume":
             run.kills_in_resume += 1
         elif registered:
@@ -539,9 +543,11 @@ def random_kills(baselines: dict[str, Baseline], count: int, root: Path) -> None
     in_run = sum(r.kills_in_run for r in done)
     in_resume = sum(r.kills_in_resume for r in done)
     early = sum(r.kills_before_registration for r in done)
+    temp = sum(r.temp_file_hits for r in done)
     print(
         f"{count} random-kill runs in {wall:.1f}s: {in_run} kills inside `gitrun run`, "
-        f"{in_resume} inside `gitrun resume`, {early} before the run was registered"
+        f"{in_resume} inside `gitrun resume`, {early} before the run was registered, "
+        f"{temp} between a temp file's write and its rename"
     )
     if count >= 20:
         assert in_run >= count // 5, "too few kills landed inside `gitrun run`"
