@@ -142,7 +142,7 @@ class Adapter:
         return self.commit(p.key, p.intent_digest, p.action.kind, grant, at), False
 
 
-def precondition(adapter: Adapter, instance: str = INSTANCE) -> Precondition:
+def precondition_at(adapter: Adapter, instance: str = INSTANCE) -> Precondition:
     return Precondition(instance, adapter.branch, adapter.trees[adapter.branch])
 
 

@@ -11,19 +11,26 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from machine_world import (
     BASE,
     BASE_TREE,
     CLEAN,
+    INSTANCE,
     Adapter,
     evidence,
+    grant_of,
     initial_state,
     oid,
-    precondition,
+    precondition_at,
     write,
 )
 
@@ -42,6 +49,7 @@ from gitrun.machine import (
     Freeze,
     Grant,
     IllegalTransition,
+    MachineEvent,
     Outcome,
     PendingRejectedAtExecute,
     Persist,
@@ -60,7 +68,17 @@ from gitrun.machine import (
     stamp,
     transition,
 )
-from gitrun.records import AWAITING_APPROVAL, DONE, FAILED, NEEDS_REVIEW, RUNNING, Receipt, RunState
+from gitrun.records import (
+    AWAITING_APPROVAL,
+    DONE,
+    FAILED,
+    NEEDS_REVIEW,
+    RUNNING,
+    Event,
+    Pending,
+    Receipt,
+    RunState,
+)
 from gitrun.validate import validate_state
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,7 +118,7 @@ def proposed(
     content: str = "x",
 ) -> Proposed:
     action = write(content=content)
-    return Proposed(action, key, action.intent_digest(), risk, precondition(adapter), at)
+    return Proposed(action, key, action.intent_digest(), risk, precondition_at(adapter), at)
 
 
 def with_intent(risk: str | None = None, key: str = "k-1") -> tuple[RunState, Adapter]:
@@ -161,11 +179,11 @@ def test_a_risky_proposal_is_persisted_frozen_awaiting_approval() -> None:
     [
         ({"digest": "sha256:other"}, "digest"),
         ({"action": replace(write(), kind="apply_patch", path=None, patch="x")}, "scope"),
-        ({"precondition": replace(precondition(Adapter()), instance_id="inst-2")}, "instance"),
+        ({"precondition": replace(precondition_at(Adapter()), instance_id="inst-2")}, "instance"),
     ],
 )
 def test_an_intent_that_would_make_an_invalid_checkpoint_is_illegal(
-    change: dict[str, object], why: str
+    change: dict[str, Any], why: str
 ) -> None:
     s0 = initial_state()
     event = replace(proposed(s0, Adapter()), **change)
@@ -330,11 +348,9 @@ def test_a_conflicting_receipt_freezes_with_the_case_kept_whole(via: str) -> Non
     assert case is not None
     assert nxt.pending == s.pending
     assert (nxt.phase, nxt.stop_reason) == (NEEDS_REVIEW, "receipt_conflict")
-    assert (case.action, case.key, case.pending_digest) == (
-        s.pending.action,
-        "k-1",
-        s.pending.intent_digest,
-    )  # type: ignore[union-attr]
+    p = s.pending
+    assert p is not None
+    assert (case.action, case.key, case.pending_digest) == (p.action, "k-1", p.intent_digest)
     assert (case.receipt_digest, case.receipt, case.receipt_fingerprint) == (
         r.intent_digest,
         r,
@@ -445,12 +461,14 @@ def test_a_refreshed_approval_replaces_the_expired_one_which_is_sealed() -> None
     assert isinstance(event, ApprovalRefreshed)
     nxt, _ = transition(frozen, event)
     assert nxt.phase == RUNNING
+    assert nxt.pending is not None
+    assert s.pending is not None
     assert nxt.pending.approval == ev
     assert nxt.sealed[-1] == {
         "kind": "approval_superseded",
         "evidence": s.pending.approval,
         "at": 150.0,
-    }  # type: ignore[union-attr]
+    }
     assert nxt.used_nonces == ("n-1", "n-2")
 
 
@@ -646,3 +664,561 @@ def test_importing_the_machine_loads_no_pygit2() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "[]"
+
+
+# -- the stateful property test --------------------------------------------------------
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=250,
+    stateful_step_count=50,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+FROZEN_PHASES = (AWAITING_APPROVAL, NEEDS_REVIEW)
+PROPOSING = (Proposed, ProposalRejected, BudgetExhausted, Finished, VerifierResult)
+EXECUTING = (ExecuteDue, ApprovalExpired, PendingRejectedAtExecute)
+REFUSALS = (IllegalTransition, ApprovalRefused, EnvironmentDrift)
+
+
+def phase_allows(s: RunState, event: MachineEvent) -> bool:
+    """The phase table, written independently of the machine: which phase takes what."""
+    if isinstance(event, PROPOSING):
+        return s.phase == RUNNING and s.pending is None
+    if isinstance(event, EXECUTING):
+        return s.phase == RUNNING and s.pending is not None
+    if isinstance(event, WriteReceipt | ReceiptConflict):
+        return s.phase in (RUNNING, AWAITING_APPROVAL) and s.pending is not None
+    if isinstance(event, ApprovalAccepted | ApprovalRefreshed):
+        return s.phase == AWAITING_APPROVAL and s.pending is not None
+    return s.phase == NEEDS_REVIEW
+
+
+def _rare(one_in: int = 4) -> st.SearchStrategy[bool]:
+    """True now and then: the unusual branch (a crash, a forgery, a drifted re-read)."""
+    return st.integers(1, one_in).map(lambda n: n == 1)
+
+
+dts = st.integers(min_value=0, max_value=40)
+ARGS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
+    "propose": {
+        "dt": dts,
+        "content": st.sampled_from(["x", "y"]),
+        "risky": st.booleans(),
+        "key": st.sampled_from(["fresh", "fresh", "fresh", "last", "old", "quarantined"]),
+        "patch": _rare(),
+        "foreign": _rare(),
+    },
+    "reject": {"dt": dts, "budget": _rare(10), "via_budget_event": st.booleans()},
+    "finish": {
+        "dt": dts,
+        "passed": st.booleans(),
+        "bound": st.sampled_from(["last", "stale", "tree"]),
+    },
+    "execute": {
+        "dt": dts,
+        "lookup": st.booleans(),
+        "grant": st.sampled_from(["true", "true", "none", "forged"]),
+        "crash": _rare(),
+    },
+    "reconcile": {"dt": dts, "stray": _rare(), "via_accept": st.booleans()},
+    "plant": {"dt": dts, "same_intent": st.booleans()},
+    "regate": {"dt": dts, "budget": _rare()},
+    "approve": {"dt": dts, "ttl": st.integers(-5, 120), "swapped": _rare(), "reused": _rare()},
+    "expire": {"dt": dts},
+    "review": {
+        "dt": dts,
+        "abort": _rare(),
+        "drift": st.sampled_from(["", "", "", "receipt", "branch", "nonce"]),
+    },
+}
+
+
+def _rule(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A rule drawing the arguments of ``RunMachine.do_<name>``."""
+    return rule(**ARGS[name])  # type: ignore[call-overload, no-any-return]
+
+
+def proposing(m: RunMachine) -> bool:
+    return m.state.phase == RUNNING and m.state.pending is None
+
+
+def executing(m: RunMachine) -> bool:
+    return m.state.phase == RUNNING and m.state.pending is not None
+
+
+class RunMachine(RuleBasedStateMachine):
+    """Event sequences against a model adapter and model humans. Each rule fires in the
+    phase it belongs to; ``anything`` fires any of them in any phase (illegal included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = initial_state()
+        self.adapter = Adapter()
+        self.clock = 0.0
+        self.counter = 0
+        self.expiry: dict[str, float] = {}  # approval fingerprint -> expires_at (the truth)
+        self.persisted: set[str] = {digest(encode(None))}  # pendings some checkpoint held
+        self.recorded: list[str] = []  # keys of receipt events in persisted checkpoints
+        self.trace: list[Event] = []
+        self.last_head = BASE  # the HEAD after the last write (or the re-observed HEAD)
+        self.replanned: list[str] = []  # keys a reviewer's replan retired
+
+    # -- driving -----------------------------------------------------------------------
+
+    def tick(self, dt: int) -> float:
+        self.clock += dt
+        return self.clock
+
+    def fresh(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}-{self.counter}"
+
+    def feed(self, event: MachineEvent) -> tuple[object, ...] | None:
+        """Send one event; check the refusal or the outcome; perform the Persist."""
+        pre, before = self.state, encode(self.state)
+        allowed = phase_allows(pre, event)
+        try:
+            nxt, effects = transition(pre, event)
+        except REFUSALS as exc:
+            self.check_refusal(pre, before, event, exc, allowed)
+            return None
+        assert allowed, f"{pre.phase} accepted {type(event).__name__}"
+        self.check_outcome(pre, event, nxt, effects)
+        return effects
+
+    def check_refusal(
+        self, pre: RunState, before: object, event: MachineEvent, exc: Exception, allowed: bool
+    ) -> None:
+        """A refused event changes nothing; one its phase forbids is an IllegalTransition."""
+        assert encode(self.state) == before, "a refused event changed the state"
+        if allowed:
+            return
+        assert isinstance(exc, IllegalTransition), f"{type(event).__name__}: {exc!r}"
+        assert (exc.phase, exc.event) == (pre.phase, event)
+        if pre.phase in FROZEN_PHASES and isinstance(event, PROPOSING + EXECUTING):
+            assert isinstance(exc, RunFrozen)
+            assert exc.exit_code == Exit.FROZEN
+
+    def check_outcome(
+        self, pre: RunState, event: MachineEvent, nxt: RunState, effects: tuple[object, ...]
+    ) -> None:
+        persists = [e for e in effects if isinstance(e, Persist)]
+        assert len(persists) <= 1, "one checkpoint advance per transition"
+        if not persists:
+            assert nxt is pre, "the state changes only through a Persist"
+        for effect in effects:
+            if isinstance(effect, Persist):
+                assert effect.state is nxt
+                self.persist(effect.state)
+            elif isinstance(effect, Execute):
+                self.check_execute(pre, event, effect)
+        freezes = any(isinstance(e, Freeze) for e in effects)
+        assert freezes == (nxt.phase in FROZEN_PHASES and nxt.phase != pre.phase)
+        assert not (freezes and any(isinstance(e, Execute) for e in effects))
+        receipt = getattr(event, "receipt", None)
+        p = pre.pending
+        if (
+            isinstance(receipt, Receipt)
+            and p is not None
+            and receipt.intent_digest != p.intent_digest
+        ):
+            self.check_case_whole(pre, event, nxt, receipt)
+        assert pre.used_nonces == nxt.used_nonces[: len(pre.used_nonces)]
+        assert pre.quarantined_keys == nxt.quarantined_keys[: len(pre.quarantined_keys)]
+        assert pre.sealed == nxt.sealed[: len(pre.sealed)]
+        assert nxt.trace_count == pre.trace_count + len(nxt.events)
+
+    def check_execute(self, pre: RunState, event: MachineEvent, effect: Execute) -> None:
+        """No write without a persisted intent; frozen never executes, nor does an
+        expired or foreign approval."""
+        p = effect.pending
+        assert digest(encode(p)) in self.persisted, "Execute of an intent never persisted"
+        assert pre.phase == RUNNING
+        assert pre.pending == p
+        if p.risk is not None:
+            assert p.approval is not None
+            assert effect.grant is not None
+            assert effect.grant.fingerprint == digest(p.approval)
+            assert self.expiry[effect.grant.fingerprint] > getattr(event, "at", 0.0)
+
+    @staticmethod
+    def check_case_whole(pre: RunState, event: MachineEvent, nxt: RunState, r: Receipt) -> None:
+        """A conflicting receipt freezes the run with pending, both digests, the receipt."""
+        p, case = pre.pending, nxt.review
+        assert p is not None
+        assert case is not None
+        assert (nxt.phase, nxt.pending) == (NEEDS_REVIEW, p)
+        assert (case.action, case.key) == (p.action, p.key)
+        assert (case.pending_digest, case.receipt_digest) == (p.intent_digest, r.intent_digest)
+        assert (case.receipt, case.receipt_fingerprint) == (r, r.fingerprint())
+        assert case.environment_version == getattr(event, "environment_version", None)
+        assert nxt.events[-1].data == {"case": encode(case)}
+
+    def persist(self, state: RunState) -> None:
+        """Runtime.commit: stamp, validate with the real validator, hold without events."""
+        stamped = stamp(
+            state,
+            generation=self.state.generation + 1,
+            elapsed=0.0,
+            worker="w-1",
+            lease_version=1,
+            now=self.clock,
+        )
+        validate_state(state)
+        validate_state(stamped)
+        self.persisted.add(digest(encode(stamped.pending)))
+        for ev in stamped.events:
+            self.trace.append(ev)
+            if ev.kind == "receipt":
+                key = ev.data["receipt"]["key"]
+                assert key not in self.recorded, f"two receipts for {key}"
+                self.recorded.append(key)
+                self.last_head = ev.data["receipt"]["commit"]
+            if ev.kind == "review_decision" and ev.data["decision"] == "replan":
+                self.last_head = stamped.env.head
+                self.replanned.append(state.sealed[-1]["case"]["key"])
+        assert set(self.replanned) <= set(stamped.quarantined_keys)
+        if stamped.pending is not None:
+            assert stamped.pending.key not in self.replanned
+        assert stamped.receipts.count == len(self.recorded) == len(set(self.recorded))
+        if stamped.phase == DONE:
+            self.check_done(stamped)
+        self.state = replace(stamped, events=())
+
+    def check_done(self, s: RunState) -> None:
+        """Done only with a passing verifier event in the trace, bound to the last HEAD."""
+        ver = s.verifier
+        assert ver is not None
+        assert ver.passed
+        assert ver.head == s.env.head == self.last_head
+        assert any(
+            e.kind == "verifier" and e.data["passed"] and e.data["head"] == ver.head
+            for e in self.trace
+        )
+
+    # -- the agent and the gate --------------------------------------------------------
+
+    def do_propose(
+        self, dt: int, content: str, risky: bool, key: str, patch: bool, foreign: bool
+    ) -> None:
+        at = self.tick(dt)
+        reuse = {
+            "last": self.recorded[-1:],
+            "old": self.recorded[:1],
+            "quarantined": self.replanned[:1],
+        }
+        k = (reuse.get(key) or [self.fresh("k")])[0]
+        action = replace(write(content=content), kind="apply_patch" if patch else "write_file")
+        pre = precondition_at(self.adapter, "inst-2" if foreign else INSTANCE)
+        self.feed(Proposed(action, k, action.intent_digest(), "risk" if risky else None, pre, at))
+
+    def do_reject(self, dt: int, budget: bool, via_budget_event: bool) -> None:
+        rule_name = "budget-steps" if budget else "path-dotdot"
+        cls = BudgetExhausted if via_budget_event else ProposalRejected
+        self.feed(cls(rule_name, "refused", "write_file a.txt", self.tick(dt)))
+
+    def do_finish(self, dt: int, passed: bool, bound: str) -> None:
+        at = self.tick(dt)
+        asked = self.feed(Finished(at))
+        if asked is not None:
+            assert asked == (RunVerifier(self.state.env.head, self.state.env.tree),)
+        head, tree = self.state.env.head, self.state.env.tree
+        if bound == "stale":
+            head = BASE if head != BASE else oid(9)
+        elif bound == "tree":
+            tree = oid(8)
+        self.feed(VerifierResult(passed, head, tree, CLEAN, "s", {}, 0, False, at))
+
+    # -- execution and recovery --------------------------------------------------------
+
+    def grant(self) -> Grant | None:
+        return grant_of(self.state.pending, self.expiry)
+
+    def do_execute(self, dt: int, grant: str, crash: bool, lookup: bool = True) -> None:
+        """``execute_pending``: a risky intent's key is looked up first (a write found is
+        reconciled, not executed again), then the machine decides, then the adapter."""
+        at = self.tick(dt)
+        p = self.state.pending
+        found = self.adapter.index.get(p.key) if p is not None and p.risk else None
+        if found is not None and lookup:
+            self.feed(WriteReceipt(found, True, self.adapter.branch, at, self.grant()))
+            return
+        given = {"true": self.grant(), "none": None, "forged": Grant("sha256:forged", 1e12)}[grant]
+        for effect in self.feed(ExecuteDue(at, given)) or ():
+            if not isinstance(effect, Execute):
+                continue
+            outcome = self.adapter.execute(effect.pending, effect.grant, at)
+            if outcome is None or crash:
+                return  # the branch CAS lost, or killed after the write (window 3)
+            r, replayed = outcome
+            if r.intent_digest != effect.pending.intent_digest:
+                self.feed(ReceiptConflict(r, self.adapter.branch, at))
+            else:
+                self.feed(WriteReceipt(r, replayed, self.adapter.branch, at, effect.grant))
+
+    def do_reconcile(self, dt: int, stray: bool, via_accept: bool) -> None:
+        """Resume, or the lookup before a risky write: take in what the pending key names
+        (a conflict through ``reconcile`` or through ``accept``), or a stray old receipt."""
+        at = self.tick(dt)
+        p = self.state.pending
+        found = self.adapter.index.get(p.key) if p is not None else None
+        if found is None or stray:
+            old = self.adapter.index.get(self.recorded[0]) if self.recorded else None
+            if old is not None:
+                self.feed(WriteReceipt(old, True, self.adapter.branch, at, self.grant()))
+        elif p is not None and found.intent_digest != p.intent_digest and not via_accept:
+            self.feed(ReceiptConflict(found, self.adapter.branch, at))
+        else:
+            self.feed(WriteReceipt(found, True, self.adapter.branch, at, self.grant()))
+
+    def do_plant(self, dt: int, same_intent: bool) -> None:
+        """Someone else commits the pending key: with another intent, or with the same
+        intent but no approval of its own (a forged write); or any foreign write."""
+        at = self.tick(dt)
+        p = self.state.pending
+        key = p.key if p is not None else self.fresh("k-foreign")
+        digest_ = write(content="hostile").intent_digest()
+        if p is not None and same_intent:
+            digest_ = p.intent_digest
+        if key not in self.adapter.index:
+            self.adapter.commit(key, digest_, "write_file", None, at)
+
+    def do_regate(self, dt: int, budget: bool) -> None:
+        rule_name = "budget-steps" if budget else "path-symlink"
+        self.feed(PendingRejectedAtExecute(rule_name, "refused at execute", self.tick(dt)))
+
+    # -- humans ------------------------------------------------------------------------
+
+    def do_approve(self, dt: int, ttl: int, swapped: bool, reused: bool) -> None:
+        at = self.tick(dt)
+        nonce = self.state.used_nonces[0] if reused and self.state.used_nonces else self.fresh("n")
+        ev = evidence(nonce, at + ttl, self.fresh("salt"))
+        self.expiry[digest(ev)] = at + ttl
+        event = approval_in(self.state, ev, "ed-approver", nonce, at + ttl, at)
+        if swapped:
+            other = ApprovalAccepted if isinstance(event, ApprovalRefreshed) else ApprovalRefreshed
+            event = other(ev, "ed-approver", nonce, at + ttl, at)
+        self.feed(event)
+
+    def do_expire(self, dt: int) -> None:
+        self.feed(ApprovalExpired(self.tick(dt)))
+
+    def do_review(self, dt: int, abort: bool, drift: str) -> None:
+        at = self.tick(dt)
+        case = self.state.review
+        fp = case.receipt_fingerprint if case and drift != "receipt" else "sha256:changed"
+        head = case.environment_version if case and drift != "branch" else oid(999)
+        used = self.state.used_nonces
+        nonce = used[0] if drift == "nonce" and used else self.fresh("n")
+        ev = {"claims": {"nonce": nonce}, "signer": "ed-reviewer", "signature": nonce}
+        if abort:
+            self.feed(ReviewAbort(ev, "ed-reviewer", nonce, fp, head, at))
+        else:
+            tree = self.adapter.trees.get(head, oid(998))
+            self.feed(ReviewReplan(ev, "ed-reviewer", nonce, fp, head, tree, CLEAN, at))
+
+    # -- rules: each in its own phase, and anything anywhere ---------------------------
+
+    @initialize(loaded=_rare())
+    def start(self, loaded: bool) -> None:
+        """A fresh run, or one loaded from a valid checkpoint whose risky intent is
+        running without evidence (validate_state allows it; nothing else makes it)."""
+        if loaded:
+            action = write(content="loaded")
+            pending = Pending(
+                action, "k-loaded", action.intent_digest(), "risk", precondition_at(self.adapter),
+                None, 0.0,
+            )  # fmt: skip
+            self.state = replace(self.state, pending=pending)
+            validate_state(self.state)
+            self.persisted.add(digest(encode(pending)))
+
+    @precondition(proposing)
+    @_rule("propose")
+    def propose(self, **kw: Any) -> None:
+        self.do_propose(**kw)
+
+    @precondition(proposing)
+    @_rule("reject")
+    def reject(self, **kw: Any) -> None:
+        self.do_reject(**kw)
+
+    @precondition(lambda m: proposing(m) and m.state.receipts.count > 0)
+    @_rule("finish")
+    def finish(self, **kw: Any) -> None:
+        self.do_finish(**kw)
+
+    @precondition(executing)
+    @_rule("execute")
+    def execute(self, **kw: Any) -> None:
+        self.do_execute(**kw)
+
+    @precondition(lambda m: m.state.pending is not None and m.state.phase != NEEDS_REVIEW)
+    @_rule("reconcile")
+    def reconcile(self, **kw: Any) -> None:
+        self.do_reconcile(**kw)
+
+    @precondition(lambda m: m.state.pending is not None)
+    @_rule("plant")
+    def plant(self, **kw: Any) -> None:
+        self.do_plant(**kw)
+
+    @precondition(lambda m: m.state.phase == AWAITING_APPROVAL)
+    @_rule("approve")
+    def approve(self, **kw: Any) -> None:
+        self.do_approve(**kw)
+
+    @precondition(lambda m: executing(m) and m.state.pending.approval is not None)
+    @_rule("expire")
+    def expire(self, **kw: Any) -> None:
+        self.do_expire(**kw)
+
+    @precondition(lambda m: m.state.phase == NEEDS_REVIEW)
+    @_rule("review")
+    def review(self, **kw: Any) -> None:
+        self.do_review(**kw)
+
+    @rule(data=st.data(), which=st.sampled_from(sorted(ARGS)))
+    def anything(self, data: st.DataObject, which: str) -> None:
+        """Any event in any phase: illegal ones must raise and change nothing."""
+        getattr(self, f"do_{which}")(**data.draw(st.fixed_dictionaries(ARGS[which])))
+
+    @invariant()
+    def frozen_holds_its_pending_and_terminal_holds_none(self) -> None:
+        s = self.state
+        if s.phase in FROZEN_PHASES:
+            assert s.pending is not None
+        if s.phase in (DONE, FAILED):
+            assert s.pending is None
+            assert s.review is None
+
+
+TestRunMachine = RunMachine.TestCase
+TestRunMachine.settings = settings.get_profile("ci")
+
+
+# -- pinned regressions: explicit runs of the stateful machine -------------------------
+
+
+def drive(*steps: tuple[str, dict[str, Any]], loaded: bool = False) -> RunMachine:
+    """Run ``RunMachine`` through these steps, checking every invariant after each."""
+    m = RunMachine()
+    m.start(loaded=loaded)
+    for name, kw in steps:
+        getattr(m, f"do_{name}")(**kw)
+        m.frozen_holds_its_pending_and_terminal_holds_none()
+    m.teardown()
+    return m
+
+
+PROPOSE = {
+    "dt": 1,
+    "content": "x",
+    "risky": False,
+    "key": "fresh",
+    "patch": False,
+    "foreign": False,
+}
+RISKY = {**PROPOSE, "risky": True}
+EXECUTE = {"dt": 1, "grant": "true", "crash": False}
+APPROVE = {"dt": 1, "ttl": 50, "swapped": False, "reused": False}
+RECONCILE = {"dt": 1, "stray": False, "via_accept": False}
+FINISH = {"dt": 1, "passed": True, "bound": "last"}
+REPLAN = {"dt": 1, "abort": False, "drift": ""}
+
+
+def test_regression_an_approved_write_killed_before_its_receipt_reconciles_after_expiry() -> None:
+    m = drive(
+        ("propose", RISKY),
+        ("approve", APPROVE),
+        ("execute", {**EXECUTE, "crash": True}),
+        ("reconcile", {**RECONCILE, "dt": 500}),  # long after the approval expired
+        ("finish", FINISH),
+    )
+    assert m.state.phase == DONE
+    assert m.recorded == ["k-1"]
+    assert m.state.receipts.last is not None
+    assert m.state.receipts.last.committed_at < 500
+
+
+def test_regression_a_conflict_replanned_plans_again_with_a_new_key_and_finishes() -> None:
+    m = drive(
+        ("propose", PROPOSE),
+        ("plant", {"dt": 1, "same_intent": False}),
+        ("execute", EXECUTE),
+        ("review", {**REPLAN, "drift": "receipt"}),  # refused: stays frozen
+        ("review", REPLAN),
+        ("propose", {**PROPOSE, "key": "quarantined"}),  # refused: the key is retired
+        ("propose", PROPOSE),
+        ("execute", EXECUTE),
+        ("finish", FINISH),
+    )
+    assert m.state.phase == DONE
+    assert m.replanned == ["k-1"]
+    assert m.state.quarantined_keys == ("k-1",)
+    assert len(m.recorded) == 1
+    assert m.recorded[0] != "k-1"
+
+
+def test_regression_an_expired_approval_freezes_and_a_refreshed_one_writes_once() -> None:
+    m = drive(
+        ("propose", RISKY),
+        ("approve", {**APPROVE, "ttl": 10}),
+        ("execute", {**EXECUTE, "dt": 20}),  # expired: frozen, nothing executes
+        ("execute", EXECUTE),  # still frozen
+        ("approve", {**APPROVE, "reused": True}),  # the old nonce: refused
+        ("approve", APPROVE),
+        ("execute", EXECUTE),
+    )
+    assert m.state.phase == RUNNING
+    assert len(m.recorded) == 1
+    assert [s["kind"] for s in m.state.sealed] == ["approval_superseded"]
+    assert len(m.state.used_nonces) == 2
+
+
+def test_regression_a_verdict_on_a_stale_head_or_tree_never_finishes() -> None:
+    m = drive(
+        ("propose", PROPOSE),
+        ("execute", EXECUTE),
+        ("finish", {**FINISH, "bound": "stale"}),
+        ("finish", {**FINISH, "bound": "tree"}),
+    )
+    assert m.state.phase == RUNNING
+    assert m.state.verifier is None
+
+
+def test_regression_a_loaded_risky_intent_without_evidence_freezes_not_executes() -> None:
+    m = drive(("execute", {**EXECUTE, "grant": "none"}), ("execute", EXECUTE), loaded=True)
+    assert (m.state.phase, m.state.stop_reason) == (AWAITING_APPROVAL, "awaiting_approval")
+    assert m.adapter.index == {}
+
+
+def test_regression_a_forged_write_of_a_risky_key_goes_to_review() -> None:
+    m = drive(
+        ("propose", RISKY),
+        ("plant", {"dt": 1, "same_intent": True}),  # same intent, no approval in its trailers
+        ("reconcile", RECONCILE),
+    )
+    assert m.state.phase == NEEDS_REVIEW
+    assert m.state.review is not None
+    assert "without approval evidence" in m.state.review.reason
+
+
+def test_regression_a_write_found_after_an_expiry_freeze_is_refused_not_recorded_invalid() -> None:
+    # The write landed (killed before its receipt), then the run froze on the expired
+    # approval. Recording now would keep awaiting_approval without a pending (an invalid
+    # checkpoint, as today's Runtime.record would try): the machine refuses instead.
+    m = drive(
+        ("propose", RISKY),
+        ("approve", APPROVE),
+        ("execute", {**EXECUTE, "crash": True}),
+        ("expire", {"dt": 100}),
+        ("reconcile", RECONCILE),
+    )
+    assert (m.state.phase, m.state.stop_reason) == (AWAITING_APPROVAL, "approval_expired")
+    assert m.recorded == []
+    assert "k-1" in m.adapter.index
