@@ -1,0 +1,140 @@
+"""The pure machine against today's runtime: replay a real run's audit chain through it.
+
+Each checkpoint after the first was written by ``Runtime``/``Approvals`` from its
+predecessor. Rebuilding the event from the new checkpoint's trace and applying
+``machine.transition`` to the predecessor must give that checkpoint again, field for
+field (event times aside: the runtime reads the clock once per field). This is what lets
+the runtime delegate to the machine with no change in behaviour.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import RISKY_SANDBOXES, SANDBOX_NAMES, SANDBOXES, Gitrun
+
+from gitrun import service
+from gitrun.codec import decode, digest, encode
+from gitrun.errors import Exit
+from gitrun.machine import (
+    Finished,
+    Grant,
+    MachineEvent,
+    Persist,
+    ProposalRejected,
+    Proposed,
+    VerifierResult,
+    WriteReceipt,
+    approval_in,
+    stamp,
+    transition,
+)
+from gitrun.records import Event, Receipt, RunState
+from gitrun.workspace import Workspace
+
+pytestmark = pytest.mark.timeout(180)
+RESULT = ("exit_code", "timed_out")
+RUN = "r-replay"
+
+
+def event_for(prev: RunState, nxt: RunState) -> MachineEvent:
+    """The machine event that ``nxt``'s trace records (one per checkpoint advance)."""
+    if len(nxt.events) != 1:
+        raise AssertionError(f"one trace event per checkpoint, got {[e.kind for e in nxt.events]}")
+    ev = nxt.events[0]
+    d = ev.data
+    if ev.kind == "intent":
+        p = nxt.pending
+        assert p is not None
+        return Proposed(p.action, d["key"], d["digest"], d["risk"], p.precondition, p.proposed_at)
+    if ev.kind == "gate_rejected":
+        return ProposalRejected(d["rule"], d["message"], d["action"], ev.at)
+    if ev.kind == "receipt":
+        r = decode(Receipt, d["receipt"])
+        return WriteReceipt(r, d["replayed"], r.commit, ev.at, grant_in(prev))
+    if ev.kind == "approval":
+        p = nxt.pending
+        assert p is not None
+        return approval_in(
+            prev, p.approval, d["signer"], nxt.used_nonces[-1], d["expires_at"], ev.at
+        )
+    if ev.kind == "verifier":
+        return VerifierResult(
+            d["passed"], d["head"], d["tree"], nxt.env.status_digest, d["summary"],
+            d["outcomes"], d["exit_code"], d["timed_out"], d["at"],
+            {k: v for k, v in d.items() if k not in (*encode(nxt.verifier), *RESULT)},
+        )  # fmt: skip
+    raise AssertionError(f"no replay for trace event {ev.kind}")
+
+
+def grant_in(state: RunState) -> Grant | None:
+    """What ``Approvals.binding`` verifies of the pending's evidence."""
+    p = state.pending
+    if p is None or p.approval is None:
+        return None
+    return Grant(digest(p.approval), float(p.approval["claims"]["expires_at"]))
+
+
+def timeless(state: RunState) -> RunState:
+    """The state with its clock readings and the chain over them blanked."""
+    return replace(
+        state,
+        events=tuple(Event(e.kind, 0.0, e.data) for e in state.events),
+        trace_chain="",
+        budgets=replace(state.budgets, wall_seconds=0.0),
+    )
+
+
+def replay(home: Path) -> list[str]:
+    """Check every checkpoint advance of run r-replay; the trace kinds replayed."""
+    chain = [s.state for s in reversed(service.checkpoints(RUN, service.Options(Workspace(home))))]
+    replayed: list[str] = []
+    for prev, nxt in itertools.pairwise(chain):
+        settled = replace(prev, events=())
+        event = event_for(prev, nxt)
+        if isinstance(event, VerifierResult):
+            assert transition(settled, Finished(event.at))[0] is settled
+        state, effects = transition(settled, event)
+        assert Persist(state) in effects
+        got = stamp(
+            state,
+            generation=nxt.generation,
+            elapsed=0.0,
+            worker=nxt.identity,
+            lease_version=nxt.lease_version,
+            now=nxt.updated_at,
+        )
+        assert timeless(got) == timeless(nxt), f"generation {nxt.generation} ({nxt.events[0].kind})"
+        replayed.append(nxt.events[0].kind)
+    return replayed
+
+
+@pytest.mark.parametrize("name", SANDBOX_NAMES)
+def test_the_machine_reproduces_every_checkpoint_of_a_real_run(tmp_path: Path, name: str) -> None:
+    home = tmp_path / "home"
+    res = Gitrun(home)("run", str(SANDBOXES / name), "--run-id", RUN)
+    assert res.code == 0, res.err
+    replayed = replay(home)
+    assert replayed[-1] == "verifier"
+    assert {"intent", "receipt"} <= set(replayed)
+
+
+def test_the_machine_reproduces_an_approved_runs_checkpoints(tmp_path: Path) -> None:
+    home, keys = tmp_path / "home", tmp_path / "keys"
+    cli = Gitrun(home)
+    roots = str(keys / "roots.json")
+    made = cli(
+        "keys", "new", "alice", "--role", "approver", "--dir", str(keys), "--trust-roots", roots
+    )
+    assert made.code == 0, made.err
+    assert cli("run", str(SANDBOXES / RISKY_SANDBOXES[0]), "--run-id", RUN).code == Exit.FROZEN
+    approved = cli("approve", RUN, "--key", str(keys / "alice.key"), "--ttl", "1h")
+    assert approved.code == 0, approved.err
+    resumed = cli("resume", RUN, "--trust-roots", roots)
+    assert resumed.code == 0, resumed.err
+    replayed = replay(home)
+    assert "approval" in replayed
+    assert replayed[-1] == "verifier"
