@@ -132,7 +132,14 @@ def run(
         Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")
     ] = None,
     agent: Annotated[str, typer.Option("--agent", help="plan, plan:FILE or patch:FILE.")] = "plan",
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the run.")] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id",
+            help="Name the run. An existing id with the same inputs continues like resume; "
+            "other inputs exit 2.",
+        ),
+    ] = None,
     workspace: WorkspaceOpt = None,
     key_file: KeyFileOpt = None,
     worker_id: WorkerOpt = None,
@@ -141,10 +148,7 @@ def run(
     trust_roots: TrustOpt = None,
     isolation: IsolationOpt = None,
 ) -> None:
-    """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human.
-
-    An existing --run-id with the same inputs continues like resume; other inputs exit 2.
-    """
+    """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
     opts = _options(
         workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots, isolation
     )

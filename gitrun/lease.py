@@ -244,32 +244,40 @@ class LeaseManager:
                 f"worker id {self.worker} is already at work on run "
                 f"{self.run_id} in another live process; pick another --worker-id",
             )
-        current, oid = read_lease(self.repo, self.run_id)
-        now = time.time()
-        if current is not None and current.owner_worker != self.worker:
-            taking_over = (
-                current.expires_at <= now
-                or (takeover_after is not None and now - current.renewed_at >= takeover_after)
-                or not owner_alive(self.repo, self.run_id, current.owner_worker)
-            )
-            if not taking_over:
-                self._drop_owner_lock()
-                raise LeaseHeld(
-                    current.owner_worker,
-                    current.expires_at,
-                    f"another worker owns run {self.run_id}: {current.owner_worker} until "
-                    f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left); "
-                    "retry later or pass --takeover-after",
-                )
         try:
-            # Free for us: re-read under the lease's OS lock, so a worker stopped while
-            # holding it (in a write, or setting up) is named now, before we write.
+            current, oid = read_lease(self.repo, self.run_id)
+            self._refuse_unless_takeable(current, takeover_after)
+            # Re-read under the lease's OS lock, so a worker stopped while holding it (in
+            # a write, or setting up) is named now, before we write. What we return is
+            # what acquire's compare-and-swap expects, so it must be judged too: another
+            # worker may have taken the lease since the first read.
             with gitstore.os_locks(self.repo, [lease_ref(self.run_id)]):
-                current, oid = read_lease(self.repo, self.run_id)
+                again, again_oid = read_lease(self.repo, self.run_id)
+            if again_oid != oid:
+                self._refuse_unless_takeable(again, takeover_after)
         except GitrunError:
             self._drop_owner_lock()
             raise
-        return current, oid
+        return again, again_oid
+
+    def _refuse_unless_takeable(self, current: Lease | None, takeover_after: float | None) -> None:
+        """LeaseHeld unless ``current`` is free, ours, expired, stale or its owner dead."""
+        now = time.time()
+        if current is None or current.owner_worker == self.worker:
+            return
+        taking_over = (
+            current.expires_at <= now
+            or (takeover_after is not None and now - current.renewed_at >= takeover_after)
+            or not owner_alive(self.repo, self.run_id, current.owner_worker)
+        )
+        if not taking_over:
+            raise LeaseHeld(
+                current.owner_worker,
+                current.expires_at,
+                f"another worker owns run {self.run_id}: {current.owner_worker} until "
+                f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left); "
+                "retry later or pass --takeover-after",
+            )
 
     def renew(self, state_version: int | None = None) -> Lease:
         """Extend our lease by compare-and-swap; LeaseLost if it is no longer ours."""

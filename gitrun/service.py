@@ -287,7 +287,7 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     if _the_ref(opened) is None:
         witness = opened.store.witness
         if record.setup_done or (witness is not None and witness.path(run_id).exists()):
-            raise starting.mark_missing(opened.repo, record)
+            raise starting.mark_missing(opened.repo, record, opened.store.witnessed(run_id))
         restarted = _restart_setup(opened, agent, opts)
         if restarted is not None:
             return restarted

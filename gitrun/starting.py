@@ -116,9 +116,12 @@ def mark_set_up(ws: Workspace, repo: pygit2.Repository, run_id: str, fence: Fenc
             ws.save(replace(current, setup_done=True))
 
 
-def mark_missing(repo: pygit2.Repository, rec: RunRecord) -> CheckpointRejected:
-    """The refusal for a set-up run whose checkpoint ref is gone: never re-create it."""
-    missing = f"its checkpoint ref (refs/gitrun/runs/{rec.run_id}/checkpoints/...)"
+def mark_missing(
+    repo: pygit2.Repository, rec: RunRecord, witnessed: str = ""
+) -> CheckpointRejected:
+    """The refusal for a set-up run whose checkpoint ref is gone: never re-create it.
+    ``witnessed`` is the witness's word on what the ref held (the commit to restore)."""
+    missing = f"its checkpoint ref (refs/gitrun/runs/{rec.run_id}/checkpoints/...){witnessed}"
     if gitstore.read_ref(repo, rec.branch) is None:
         missing += f" and its branch {rec.branch}"
     return CheckpointRejected(

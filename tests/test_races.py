@@ -279,8 +279,8 @@ def test_concurrent_first_runs_in_a_fresh_workspace_all_stay_verifiable(
         for rid in runs
     ]  # fmt: skip
     for proc in procs:
-        proc.communicate(timeout=120)
-        assert proc.returncode == -signal.SIGKILL  # killed after its first checkpoint
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, err  # killed after its first checkpoint
     ws = service.Options(Workspace(gitrun.home))
     for rid in runs:
         stored = service.verify(rid, ws, None)  # the same check as `gitrun checkpoint verify`
