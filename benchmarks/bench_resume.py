@@ -38,7 +38,6 @@ from gitrun import service
 from gitrun.agents import load_plan
 from gitrun.lease import LeaseManager
 from gitrun.recovery import reconcile
-from gitrun.runtime import Runtime
 from gitrun.workspace import RunRecord, Workspace
 
 TARGET = 1.25  # "beyond noise": the larger run's median within 25% of the smaller's
@@ -116,18 +115,7 @@ def core_resume(ws: Workspace, run_id: str, worker: str) -> dict[str, int]:
     lease.acquire(stored.state.generation)
     t2 = time.perf_counter_ns()
     agent = load_plan_cached(opened.record.agent)
-    rt = Runtime(
-        opened.task,
-        opened.env,
-        opened.store,
-        ref,
-        lease,
-        agent,
-        stored.state,
-        stored.oid,
-        lambda _: None,
-        c.no_approvals(),
-    )
+    rt = service.build_runtime(opened, ref, stored, lease, agent, opts)
     what = reconcile(rt)
     t3 = time.perf_counter_ns()
     lease.release()

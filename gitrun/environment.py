@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
-import secrets
 import time
 import uuid
 from collections.abc import Callable, Collection
@@ -24,6 +22,7 @@ from pathlib import Path
 import pygit2
 
 from gitrun import faults, gitstore, safefs, trees
+from gitrun.atomicfile import atomic_write
 from gitrun.codec import digest
 from gitrun.errors import (
     EnvironmentDrift,
@@ -133,7 +132,7 @@ class Environment(WorktreeFiles):
             faults.point("setup_worktree_added")
             env = cls(repo, run_id, worktree, task_label)
             gitdir = Path(env.wt.path)
-            (gitdir / INDEX_BASE_FILE).write_text(str(base))  # add_worktree checked out base
+            atomic_write(gitdir / INDEX_BASE_FILE, str(base).encode())  # base is checked out
             _create_instance(gitdir, worktree)
         return env
 
@@ -411,22 +410,12 @@ class Environment(WorktreeFiles):
 def _create_instance(gitdir: Path, worktree: Path) -> None:
     """Write the worktree's instance id, durably, where none exists (never replace one)."""
     record = {"instance_id": str(uuid.uuid4()), "worktree": str(worktree.resolve())}
-    tmp = gitdir / f"{INSTANCE_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, json.dumps(record).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.link(tmp, gitdir / INSTANCE_FILE)
+        atomic_write(gitdir / INSTANCE_FILE, json.dumps(record).encode(), exclusive=True)
     except FileExistsError as exc:
         raise EnvironmentDrift(
             "instance-exists", f"{gitdir} already holds an instance id; it is never replaced"
         ) from exc
-    finally:
-        tmp.unlink(missing_ok=True)
-    gitstore.fsync_dir(gitdir)
 
 
 def _expiry_check(approval: Approval) -> Callable[[pygit2.Oid | None], None]:

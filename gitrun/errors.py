@@ -28,7 +28,7 @@ class Exit(IntEnum):
     OWNED = 4  # another worker holds the run's lease
     REFUSED = 5  # integrity refusal: checkpoint, environment or receipt does not hold
     LEASE_LOST = 6  # this worker lost its lease mid-run; the new owner carries on
-    CONFLICT = 7  # a compare-and-swap lost a race; nothing of the loser is visible
+    CONFLICT = 7  # a race lost (a ref CAS, a run id taken); nothing of the loser is visible
     INTERNAL = 70  # a bug in gitrun (EX_SOFTWARE); GITRUN_DEBUG=1 shows the traceback
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT); the run resumes from its last checkpoint
 
@@ -169,6 +169,12 @@ class ReceiptConflict(GitrunError, RuntimeError):
         )
         self.receipt = receipt
         self.intent_digest = intent_digest
+
+
+class RunTaken(GitrunError, RuntimeError):
+    """Another process registered the same run id first; nothing of it was touched."""
+
+    exit_code = Exit.CONFLICT
 
 
 class LeaseHeld(GitrunError, RuntimeError):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gitrun.atomicfile import atomic_write
 from gitrun.codec import DecodeError, canonical_bytes, decode, digest, encode
 from gitrun.errors import ApprovalRefused, BadInput, KeyFileError
 
@@ -81,17 +81,18 @@ def new_keypair(
     )
     root = TrustRoot(key_id(public), name, role, _b64(public))
     record = PrivateKeyFile(1, root.id, name, role, _b64(raw))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(json.dumps(encode(record), indent=1))
+    try:
+        atomic_write(
+            path, json.dumps(encode(record), indent=1).encode(), mode=0o600, exclusive=True,
+            parent_mode=0o777,
+        )  # fmt: skip
+    except FileExistsError as exc:
+        raise BadInput(f"{path} already exists; choose another name") from exc
     if trust_roots is not None:
         roots = load_trust_roots(trust_roots) if trust_roots.exists() else {}
         roots[root.id] = root
         doc = {"schema": 1, "keys": [encode(r) for r in roots.values()]}
-        tmp = trust_roots.with_name(trust_roots.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, trust_roots)
+        atomic_write(trust_roots, json.dumps(doc, indent=1).encode(), parent_mode=0o777)
     return path, root
 
 

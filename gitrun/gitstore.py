@@ -35,6 +35,7 @@ import pygit2
 from pygit2.enums import Option
 
 from gitrun import faults
+from gitrun.atomicfile import fsync_dir as fsync_dir  # noqa: PLC0414 - re-export for callers
 from gitrun.errors import CasFailed, EnvironmentDrift, LeaseHeld, RefLocked, Refused
 
 STALE_LOCK_GRACE_SECONDS = 1.0
@@ -334,12 +335,3 @@ def write_blob(repo: pygit2.Repository, data: bytes) -> pygit2.Oid:
     """Write one blob object (durable when fsync is on)."""
     oid: pygit2.Oid = repo.create_blob(data)
     return oid
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename or create inside it survives a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -12,12 +12,12 @@ import contextlib
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gitrun.atomicfile import atomic_write
 from gitrun.errors import KeyFileError
 
 KEYRING_SCHEMA = 1
@@ -55,46 +55,18 @@ def _new_key_id() -> str:
 MIN_SECRET_BYTES = 16
 
 
-def _private_temp(path: Path, data: bytes) -> Path:
-    """Write ``data`` to a fresh 0600 file beside ``path`` (durably), return its path."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return tmp
-
-
 def _create_private(path: Path, data: bytes) -> None:
     """Create ``path`` (0600) complete or not at all; FileExistsError if it exists.
 
-    ``link`` fails on an existing name where ``rename`` would replace it: of several
-    processes creating the first keyring at once, one wins and all read its keys.
+    An exclusive create: of several processes creating the first keyring at once, one
+    wins and all read its keys.
     """
-    tmp = _private_temp(path, data)
-    try:
-        os.link(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    atomic_write(path, data, mode=0o600, exclusive=True, parent_mode=0o700)
 
 
 def _replace_private(path: Path, data: bytes) -> None:
     """Replace ``path`` atomically (0600): for rotation, which must overwrite."""
-    tmp = _private_temp(path, data)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic_write(path, data, mode=0o600, parent_mode=0o700)
 
 
 def _dump(active: str, keys: dict[str, bytes]) -> bytes:

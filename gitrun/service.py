@@ -310,7 +310,7 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
         # changes nothing, not even the lease (reconcile runs again under the lease).
         lease.check_takeable(opts.takeover_after)
         if state.phase != NEEDS_REVIEW:
-            reconcile(_runtime(opened, ref, stored, lease, agent, opts), apply=False)
+            reconcile(build_runtime(opened, ref, stored, lease, agent, opts), apply=False)
     except GitrunError:
         _release(lease)
         raise
@@ -324,16 +324,17 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
             starting.mark_set_up(opts.workspace, opened.repo, record.run_id, lease.fence)
         if stored.state.phase in TERMINAL:
             return stored.state
-        return _continue(_runtime(opened, ref, stored, lease, agent, opts), opts)
+        return _continue(build_runtime(opened, ref, stored, lease, agent, opts), opts)
     finally:
         _release(lease)
 
 
-def _runtime(
+def build_runtime(
     opened: Opened, ref: str, stored: Stored, lease: LeaseManager, agent: ScriptAgent, opts: Options
 ) -> Runtime:
-    """A runtime on the verified checkpoint. Its events are already in the chain: the
-    next checkpoint starts a new batch."""
+    """The one factory of a runtime on a verified checkpoint (``gitrun resume``, the
+    benchmarks and the tests alike; a new run's comes from :func:`gitrun.runtime.begin`).
+    Its events are already in the chain: the next checkpoint starts a new batch."""
     from gitrun.runtime import Runtime
 
     return Runtime(

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gitrun import faults, gitstore
+from gitrun.atomicfile import atomic_file
 from gitrun.errors import CheckpointRejected, GitrunError, RefLocked
 from gitrun.keys import Keyring
 
@@ -196,22 +197,14 @@ class Witness:
         self.replace(self.path(mark.run_id), (slots[0], slots[1]))
 
     def replace(self, path: Path, slots: tuple[bytes, bytes]) -> None:
-        """Write the whole file aside, fsync, rename over, fsync the directory."""
+        """Write the whole file through the one atomic path (aside, fsync, rename over,
+        fsync the directory): it is whole or absent, never torn (caller holds the lock)."""
         self._ensure_dir()
-        for stale in path.parent.glob(f".{path.name}.tmp-*"):
-            stale.unlink(missing_ok=True)  # a killed writer's scratch (we hold the lock)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         data = slots[0] + slots[1]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data[: SLOT_SIZE + TEAR_AT])
+        with atomic_file(path, mode=0o600, writers_locked=True) as fh:  # we hold its lock
+            fh.write(data[: SLOT_SIZE + TEAR_AT])
             faults.point("checkpoint_witness_torn")
-            os.write(fd, data[SLOT_SIZE + TEAR_AT :])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        gitstore.fsync_dir(path.parent)
+            fh.write(data[SLOT_SIZE + TEAR_AT :])
         faults.point("checkpoint_witness_written")
 
     def _encode(self, mark: Mark) -> bytes:

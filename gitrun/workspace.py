@@ -18,7 +18,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import time
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -26,8 +25,9 @@ from pathlib import Path
 import pygit2
 
 from gitrun import gitstore, trees
+from gitrun.atomicfile import atomic_dir, atomic_write
 from gitrun.codec import DecodeError, decode, encode
-from gitrun.errors import BadInput, Exit, GitrunError, Refused, TaskError, UnknownRun
+from gitrun.errors import BadInput, Refused, RunTaken, TaskError, UnknownRun
 from gitrun.task import Task
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -64,12 +64,6 @@ class RunRecord:
     scenario_parts: dict[str, str] = field(default_factory=dict)
     setup_done: bool = True
     key_file: str = ""  # the keyring that signs its checkpoints ("": the workspace's)
-
-
-class RunTaken(GitrunError):
-    """Another process registered the same run id first; nothing of it was touched."""
-
-    exit_code = Exit.CONFLICT
 
 
 def _with_defaults(data: object) -> object:
@@ -137,24 +131,19 @@ class Workspace:
     def _record_path(self, run_id: str) -> Path:
         return self.root / "runs" / f"{check_run_id(run_id)}.json"
 
-    def _temp_record(self, record: RunRecord) -> tuple[Path, Path]:
-        path = self._record_path(record.run_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        tmp.write_text(json.dumps(encode(record), indent=1))
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        return path, tmp
+    def _record_bytes(self, record: RunRecord) -> tuple[Path, bytes]:
+        return self._record_path(record.run_id), json.dumps(encode(record), indent=1).encode()
 
     def register(self, record: RunRecord) -> None:
         """Create the run's record, complete, or raise :class:`RunTaken` if it exists.
 
-        ``link`` refuses an existing name (``rename`` would replace it): of two
-        ``gitrun run --run-id X`` at once exactly one registers, the other changes nothing.
+        An exclusive create (``link`` refuses an existing name where ``rename`` would
+        replace it): of two ``gitrun run --run-id X`` at once exactly one registers, the
+        other changes nothing.
         """
-        path, tmp = self._temp_record(record)
+        path, data = self._record_bytes(record)
         try:
-            os.link(tmp, path)
+            atomic_write(path, data, exclusive=True, parent_mode=0o777)
         except FileExistsError:
             winner = self.load(record.run_id)
             by = f" by worker {winner.created_by}" if winner.created_by else ""
@@ -164,15 +153,11 @@ class Workspace:
                 f"of it was touched: follow it with `gitrun status {record.run_id}` or "
                 f"`gitrun resume {record.run_id}`"
             ) from None
-        finally:
-            tmp.unlink(missing_ok=True)
-        gitstore.fsync_dir(path.parent)
 
     def save(self, record: RunRecord) -> None:
         """Replace the run's record atomically (its lease holder only, see lease.fenced)."""
-        path, tmp = self._temp_record(record)
-        os.replace(tmp, path)
-        gitstore.fsync_dir(path.parent)
+        path, data = self._record_bytes(record)
+        atomic_write(path, data, parent_mode=0o777)
 
     def exists(self, run_id: str) -> bool:
         return self._record_path(run_id).is_file()
@@ -215,12 +200,9 @@ class Workspace:
                 # leaves only the scratch dir (redone next time), never a broken repo
                 # or a HEAD.lock from an interrupted checkout.
                 gitstore.configure_git()
-                scratch = path.parent / f".{task.id}.init"
-                shutil.rmtree(scratch, ignore_errors=True)
-                pygit2.init_repository(str(scratch), bare=False, initial_head="main")
-                _sandbox_base(gitstore.open_repo(scratch), task)
-                os.replace(scratch, path)
-                gitstore.fsync_dir(path.parent)
+                with atomic_dir(path) as scratch:
+                    pygit2.init_repository(str(scratch), bare=False, initial_head="main")
+                    _sandbox_base(gitstore.open_repo(scratch), task)
             repo = gitstore.open_repo(path)
             base = _sandbox_base(repo, task)
         return repo, base

@@ -9,7 +9,6 @@ paths the index lags on directly, so observations are exact either way, and
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from contextlib import AbstractContextManager
@@ -19,6 +18,7 @@ import pygit2
 from pygit2.enums import FileMode, FileStatus
 
 from gitrun import faults, gitstore, safefs, trees
+from gitrun.atomicfile import atomic_write
 from gitrun.errors import EnvironmentDrift
 from gitrun.lease import Fence
 
@@ -177,9 +177,7 @@ class WorktreeFiles(ABC):
         name = (Path(self.wt.path) / "index").resolve().relative_to(gitstore.common_dir(self.repo))
         with gitstore.os_locks(self.repo, [str(name)]):
             index.write()
-        tmp = base_file.with_name(INDEX_BASE_FILE + ".tmp")
-        tmp.write_text(str(head.id))
-        os.replace(tmp, base_file)
+        atomic_write(base_file, str(head.id).encode())
 
     @staticmethod
     def _index_add(index: pygit2.Index, path: str, oid: pygit2.Oid, mode: int) -> None:

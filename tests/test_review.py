@@ -208,18 +208,7 @@ def _runtime(ws: Copy) -> Iterator[Runtime]:
     lease = LeaseManager(opened.repo, RUN, "in-process", 30)
     lease.acquire(stored.state.generation)
     try:
-        yield Runtime(
-            opened.task,
-            opened.env,
-            opened.store,
-            ref,
-            lease,
-            agent,
-            replace(stored.state, events=()),
-            stored.oid,
-            lambda _: None,
-            opts.approvals,
-        )
+        yield service.build_runtime(opened, ref, stored, lease, agent, opts)
     finally:
         lease.release()
 
