@@ -15,7 +15,7 @@ from typing import Any
 
 from gitrun import machine_evidence
 from gitrun.codec import digest, encode
-from gitrun.errors import EnvironmentDrift
+from gitrun.errors import EnvironmentDrift, IllegalTransition, RunFrozen
 from gitrun.machine_events import (
     ApprovalAccepted,
     ApprovalExpired,
@@ -28,7 +28,6 @@ from gitrun.machine_events import (
     Finished,
     Freeze,
     Grant,
-    IllegalTransition,
     MachineEvent,
     Outcome,
     PendingRejectedAtExecute,
@@ -38,10 +37,10 @@ from gitrun.machine_events import (
     ReceiptConflict,
     ReviewAbort,
     ReviewReplan,
-    RunFrozen,
     RunVerifier,
     Say,
     SyncIndex,
+    VerifierCannotStart,
     VerifierResult,
     WriteReceipt,
 )
@@ -60,6 +59,7 @@ from gitrun.records import (
 )
 
 __all__ = [
+    "AGENT_WRITE_REFUSED",
     "CONFLICT_REASON",
     "INDEX_SYNC_EVERY",
     "ApprovalAccepted",
@@ -87,6 +87,7 @@ __all__ = [
     "RunVerifier",
     "Say",
     "SyncIndex",
+    "VerifierCannotStart",
     "VerifierResult",
     "WriteReceipt",
     "approval_in",
@@ -97,6 +98,7 @@ __all__ = [
 
 INDEX_SYNC_EVERY = 32  # writes between two syncs of the worktree's index (O(files) each)
 CONFLICT_REASON = "same idempotency key, different intent digest"
+AGENT_WRITE_REFUSED = "agent_write_refused"  # stop reason: the agent's last write was refused
 
 
 def frozen_message(s: RunState) -> str:
@@ -238,7 +240,13 @@ def _proposal_rejected(s: RunState, e: ProposalRejected) -> Outcome:
     nxt = replace(s, cursor=s.cursor + 1, budgets=budgets).with_events(
         _gate_event(e.rule, e.message, e.summary, e.at)
     )
-    return nxt, (Say(f"gate rejected {e.summary}: {e.message}"), Persist(nxt))
+    said = Say(f"gate rejected {e.summary}: {e.message}")
+    if not e.last:
+        # An earlier refusal may be recovered from by the writes after it (later steps).
+        return nxt, (said, Persist(nxt))
+    nxt = replace(nxt, phase=FAILED, stop_reason=AGENT_WRITE_REFUSED)
+    why = f"run {s.run_id} failed: the agent's last write was refused ({e.rule})"
+    return nxt, (said, Persist(nxt), Say(why))
 
 
 def _budget_exhausted(s: RunState, e: BudgetExhausted) -> Outcome:
@@ -302,14 +310,12 @@ def _rejected_at_execute(s: RunState, e: PendingRejectedAtExecute) -> Outcome:
     p = _executing(s, e)
     if e.rule.startswith("budget-"):
         raise IllegalTransition(s.phase, e, "a persisted intent is not re-gated on budgets")
-    data = {"rule": e.rule, "message": e.message, "action": p.action.summary(), "key": p.key}
-    sealed = s.sealed
-    if p.approval is not None:
-        sealed = (*sealed, {"kind": "approval_abandoned", "evidence": p.approval, "at": e.at})
-    nxt = replace(s, pending=None, sealed=sealed).with_events(
-        Event("gate_rejected", e.at, {**data, "stage": "execute"})
+    summary = p.action.summary()
+    data = {"rule": e.rule, "message": e.message, "action": summary, "key": p.key}
+    nxt = replace(s, pending=None).with_events(
+        Event("gate_rejected", e.at, {**data, "at": "execute"})
     )
-    return nxt, (Say(f"gate rejected {p.action.summary()} at execute: {e.message}"), Persist(nxt))
+    return nxt, (Say(f"gate rejected pending {summary}: {e.message}; abandoned"), Persist(nxt))
 
 
 # -- receipts ----------------------------------------------------------------------------
@@ -406,6 +412,28 @@ def _open_review(
 
 def _verifier_result(s: RunState, e: VerifierResult) -> Outcome:
     """``Runtime.verify``: done only when passing on the HEAD and tree of the last write."""
+    phase, reason = (DONE, "verified") if e.passed else (FAILED, "verifier_failed")
+    facts = {"exit_code": e.exit_code, "timed_out": e.timed_out, **e.extra}
+    return _verdict(s, e, e.passed, dict(e.outcomes), phase, reason, facts)
+
+
+def _verifier_cannot_start(s: RunState, e: VerifierCannotStart) -> Outcome:
+    """The test command did not start: failed, every required test an error."""
+    facts = {"exit_code": None, "timed_out": False, **e.extra}
+    outcomes = dict.fromkeys(e.required, "error")
+    return _verdict(s, e, False, outcomes, FAILED, "verifier_cannot_start", facts)
+
+
+def _verdict(
+    s: RunState,
+    e: VerifierResult | VerifierCannotStart,
+    passed: bool,
+    outcomes: dict[str, str],
+    phase: str,
+    reason: str,
+    facts: dict[str, Any],
+) -> Outcome:
+    """Checkpoint a verdict bound to the last write's HEAD and tree, and its isolation."""
     _proposing(s, e)
     if e.head != s.env.head:
         raise EnvironmentDrift("head-moved", f"HEAD {e.head} is not the last write {s.env.head}")
@@ -413,16 +441,11 @@ def _verifier_result(s: RunState, e: VerifierResult) -> Outcome:
         raise EnvironmentDrift(
             "tree-changed", f"tree {e.tree} is not the last write's {s.env.tree}"
         )
-    ver = VerifierEvent(e.head, e.tree, e.passed, e.summary, dict(e.outcomes), e.at)
-    phase, reason = (DONE, "verified") if e.passed else (FAILED, "verifier_failed")
-    data = {**encode(ver), "exit_code": e.exit_code, "timed_out": e.timed_out, **e.extra}
-    nxt = replace(
-        s,
-        phase=phase,
-        stop_reason=reason,
-        verifier=ver,
-        env=replace(s.env, status_digest=e.status),
-    ).with_events(Event("verifier", e.at, data))
+    ver = VerifierEvent(e.head, e.tree, passed, e.summary, outcomes, e.at, e.isolation)
+    env = replace(s.env, status_digest=e.status)
+    nxt = replace(s, phase=phase, stop_reason=reason, verifier=ver, env=env).with_events(
+        Event("verifier", e.at, {**facts, **encode(ver)})  # extra facts never override
+    )
     return nxt, (Persist(nxt), Say(f"verifier: {e.summary}"))
 
 
@@ -441,4 +464,5 @@ _HANDLERS: dict[type, Callable[[RunState, Any], Outcome]] = {
     ReviewReplan: machine_evidence.review,
     ReviewAbort: machine_evidence.review,
     VerifierResult: _verifier_result,
+    VerifierCannotStart: _verifier_cannot_start,
 }

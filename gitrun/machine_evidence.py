@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gitrun.codec import digest, encode
-from gitrun.errors import ApprovalRefused
+from gitrun.errors import ApprovalRefused, IllegalTransition
 from gitrun.machine_events import (
     ApprovalAccepted,
     ApprovalRefreshed,
     ClearInbox,
-    IllegalTransition,
     Outcome,
     Persist,
     ReviewAbort,

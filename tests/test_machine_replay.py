@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import RISKY_SANDBOXES, SANDBOX_NAMES, SANDBOXES, Gitrun
@@ -20,12 +21,15 @@ from gitrun import service
 from gitrun.codec import decode, digest, encode
 from gitrun.errors import Exit
 from gitrun.machine import (
+    AGENT_WRITE_REFUSED,
     Finished,
     Grant,
     MachineEvent,
+    PendingRejectedAtExecute,
     Persist,
     ProposalRejected,
     Proposed,
+    VerifierCannotStart,
     VerifierResult,
     WriteReceipt,
     approval_in,
@@ -50,8 +54,11 @@ def event_for(prev: RunState, nxt: RunState) -> MachineEvent:
         p = nxt.pending
         assert p is not None
         return Proposed(p.action, d["key"], d["digest"], d["risk"], p.precondition, p.proposed_at)
+    if ev.kind == "gate_rejected" and d.get("at") == "execute":
+        return PendingRejectedAtExecute(d["rule"], d["message"], ev.at)
     if ev.kind == "gate_rejected":
-        return ProposalRejected(d["rule"], d["message"], d["action"], ev.at)
+        last = nxt.stop_reason == AGENT_WRITE_REFUSED
+        return ProposalRejected(d["rule"], d["message"], d["action"], ev.at, last)
     if ev.kind == "receipt":
         r = decode(Receipt, d["receipt"])
         return WriteReceipt(r, d["replayed"], r.commit, ev.at, grant_in(prev))
@@ -62,12 +69,22 @@ def event_for(prev: RunState, nxt: RunState) -> MachineEvent:
             prev, p.approval, d["signer"], nxt.used_nonces[-1], d["expires_at"], ev.at
         )
     if ev.kind == "verifier":
-        return VerifierResult(
-            d["passed"], d["head"], d["tree"], nxt.env.status_digest, d["summary"],
-            d["outcomes"], d["exit_code"], d["timed_out"], d["at"],
-            {k: v for k, v in d.items() if k not in (*encode(nxt.verifier), *RESULT)},
-        )  # fmt: skip
+        return verdict_for(nxt, d)
     raise AssertionError(f"no replay for trace event {ev.kind}")
+
+
+def verdict_for(nxt: RunState, d: dict[str, Any]) -> VerifierResult | VerifierCannotStart:
+    """The verifier's event: a verdict, or a command that could not start."""
+    extra = {k: v for k, v in d.items() if k not in (*encode(nxt.verifier), *RESULT)}
+    if nxt.stop_reason == "verifier_cannot_start":
+        return VerifierCannotStart(
+            d["head"], d["tree"], nxt.env.status_digest, d["summary"],
+            tuple(d["outcomes"]), d["at"], extra, d["isolation"],
+        )  # fmt: skip
+    return VerifierResult(
+        d["passed"], d["head"], d["tree"], nxt.env.status_digest, d["summary"],
+        d["outcomes"], d["exit_code"], d["timed_out"], d["at"], extra, d["isolation"],
+    )  # fmt: skip
 
 
 def grant_in(state: RunState) -> Grant | None:
@@ -95,7 +112,7 @@ def replay(home: Path) -> list[str]:
     for prev, nxt in itertools.pairwise(chain):
         settled = replace(prev, events=())
         event = event_for(prev, nxt)
-        if isinstance(event, VerifierResult):
+        if isinstance(event, VerifierResult | VerifierCannotStart):
             assert transition(settled, Finished(event.at))[0] is settled
         state, effects = transition(settled, event)
         assert Persist(state) in effects
