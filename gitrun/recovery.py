@@ -93,7 +93,7 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
             )
         if receipt.intent_digest != s.pending.intent_digest:
             if apply:
-                rt.open_review(receipt, "same idempotency key, different intent digest")
+                rt.conflict(receipt)
             return "conflict"
         if not apply:
             env.repair_sync(check_only=True, skip=skip)
