@@ -23,16 +23,9 @@ from gitrun.agents import Finish, ScriptAgent
 from gitrun.approvals import Approvals, clear_inbox
 from gitrun.checkpoint import CheckpointStore
 from gitrun.environment import Approval, Environment, Observation
-from gitrun.errors import (
-    EnvironmentDrift,
-    Frozen,
-    GateRejected,
-    GitrunError,
-    ReceiptConflict,
-)
+from gitrun.errors import EnvironmentDrift, Frozen, GateRejected, GitrunError, ReceiptConflict
 from gitrun.gate import Gate
 from gitrun.lease import LeaseManager
-from gitrun.machine import AGENT_WRITE_REFUSED, INDEX_SYNC_EVERY
 from gitrun.records import (
     AWAITING_APPROVAL,
     NEEDS_REVIEW,
@@ -47,9 +40,7 @@ from gitrun.records import (
 )
 from gitrun.sandbox import CommandCannotStart, Confinement
 from gitrun.task import Task
-from gitrun.verifier import Secrets, verify_tree
-
-__all__ = ["AGENT_WRITE_REFUSED", "INDEX_SYNC_EVERY", "Runtime", "begin", "initial_state"]
+from gitrun.verifier import Secrets, VerifierResult, verify_tree
 
 Say = Callable[[str], None]
 
@@ -225,6 +216,40 @@ class Runtime:
     def _verify(self, effect: m.RunVerifier) -> None:
         """RunVerifier: the tests on a fresh copy of the last write's tree, in a sandbox."""
         faults.point("before_verify")
+        obs = self._clean_at(effect)
+        confinement = self._confinement()
+        where = f"bwrap, network {confinement.network}" if confinement.confined else "none"
+        self.say(f"verifier: {' '.join(self.task.verifier.command)} (isolation: {where})")
+        extra: dict[str, Any] = {"network": confinement.network}
+        if not confinement.confined:
+            extra["unconfined_because"] = confinement.reason
+        try:
+            result, made = self._run_tests(effect.tree, confinement)
+        except CommandCannotStart as exc:
+            cannot = m.VerifierCannotStart(
+                obs.head, obs.tree, obs.status_digest, str(exc),
+                tuple(self.task.verifier.required), time.time(), extra, confinement.kind,
+            )  # fmt: skip
+            self.apply(cannot)
+            return
+        faults.point("after_verify")
+        if made != effect.tree:
+            raise EnvironmentDrift("verifier-tree", f"verified {made}, not {effect.tree}")
+        after = self.env.observe(full=True)
+        if after.fingerprint() != obs.fingerprint():
+            raise EnvironmentDrift(
+                "verifier-changed-tree",
+                f"the test command changed the worktree: {list(after.dirty[:5])}",
+            )
+        verdict = m.VerifierResult(
+            result.passed, obs.head, made, obs.status_digest, result.summary,
+            dict(result.outcomes), result.exit_code, result.timed_out, time.time(),
+            extra, confinement.kind,
+        )  # fmt: skip
+        self.apply(verdict)
+
+    def _clean_at(self, effect: m.RunVerifier) -> Observation:
+        """The worktree must be exactly the last write before its tests run."""
         obs = self.env.observe(full=True)
         if obs.dirty:
             raise EnvironmentDrift(
@@ -234,50 +259,20 @@ class Runtime:
             raise EnvironmentDrift(
                 "head-moved", f"HEAD {obs.head} is not the last write {effect.head}"
             )
-        confinement = self._confinement()
-        where = f"bwrap, network {confinement.network}" if confinement.confined else "none"
-        self.say(f"verifier: {' '.join(self.task.verifier.command)} (isolation: {where})")
-        extra: dict[str, Any] = {"network": confinement.network}
-        if not confinement.confined:
-            extra["unconfined_because"] = confinement.reason
-        try:
-            result, made = verify_tree(
-                self.task.verifier,
-                self.env.repo,
-                pygit2.Oid(hex=effect.tree),
-                confinement=confinement,
-                secrets=self._secrets(),
-                heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
-                progress=_every(5.0, self.say),
-                # several heartbeats per lease, so even a 1 s lease is renewed before it expires
-                heartbeat_interval=min(1.0, self.lease.duration / 4),
-            )
-        except CommandCannotStart as exc:
-            required = tuple(self.task.verifier.required)
-            cannot = m.VerifierCannotStart(
-                obs.head, obs.tree, obs.status_digest, str(exc), required, time.time(),
-                extra, confinement.kind,
-            )  # fmt: skip
-            self.apply(cannot)
-            return
-        faults.point("after_verify")
-        if made != effect.tree:
-            raise EnvironmentDrift("verifier-tree", f"verified {made}, not {effect.tree}")
-        self._unchanged(obs)
-        verdict = m.VerifierResult(
-            result.passed, obs.head, made, obs.status_digest, result.summary,
-            dict(result.outcomes), result.exit_code, result.timed_out, time.time(),
-            extra, confinement.kind,
-        )  # fmt: skip
-        self.apply(verdict)
+        return obs
 
-    def _unchanged(self, before: Observation) -> None:
-        after = self.env.observe(full=True)
-        if after.fingerprint() != before.fingerprint():
-            raise EnvironmentDrift(
-                "verifier-changed-tree",
-                f"the test command changed the worktree: {list(after.dirty[:5])}",
-            )
+    def _run_tests(self, tree: str, confinement: Confinement) -> tuple[VerifierResult, str]:
+        return verify_tree(
+            self.task.verifier,
+            self.env.repo,
+            pygit2.Oid(hex=tree),
+            confinement=confinement,
+            secrets=self._secrets(),
+            heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
+            progress=_every(5.0, self.say),
+            # several heartbeats per lease, so even a 1 s lease is renewed before it expires
+            heartbeat_interval=min(1.0, self.lease.duration / 4),
+        )
 
     def _confinement(self) -> Confinement:
         """The isolation in force: the command line's setting, else the task's."""

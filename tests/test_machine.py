@@ -1042,11 +1042,11 @@ class RunMachine(RuleBasedStateMachine):
         return grant_of(self.state.pending, self.expiry)
 
     def do_execute(self, dt: int, grant: str, crash: bool, lookup: bool = True) -> None:
-        """``execute_pending``: a risky intent's key is looked up first (a write found is
+        """``execute_pending``: the intent's key is looked up first (a write found is
         reconciled, not executed again), then the machine decides, then the adapter."""
         at = self.tick(dt)
         p = self.state.pending
-        found = self.adapter.index.get(p.key) if p is not None and p.risk else None
+        found = self.adapter.index.get(p.key) if p is not None else None
         if found is not None and lookup:
             self.feed(WriteReceipt(found, True, self.adapter.branch, at, self.grant()))
             return
@@ -1091,8 +1091,18 @@ class RunMachine(RuleBasedStateMachine):
             self.adapter.commit(key, digest_, "write_file", None, at)
 
     def do_regate(self, dt: int, budget: bool) -> None:
+        """``execute_pending`` re-gates only a write not yet made (its key looked up first):
+        an abandoned pending never leaves a write behind unrecorded."""
+        at = self.tick(dt)
+        p = self.state.pending
+        if p is not None and p.key in self.adapter.index:
+            self.do_execute(0, "true", crash=False)
+            return
         rule_name = "budget-steps" if budget else "path-symlink"
-        self.feed(PendingRejectedAtExecute(rule_name, "refused at execute", self.tick(dt)))
+        if self.feed(PendingRejectedAtExecute(rule_name, "refused at execute", at)) is not None:
+            assert p is not None
+            assert p.key not in self.adapter.index
+            assert self.state.pending is None
 
     # -- humans ------------------------------------------------------------------------
 

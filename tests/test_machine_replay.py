@@ -10,6 +10,7 @@ the runtime delegate to the machine with no change in behaviour.
 from __future__ import annotations
 
 import itertools
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,28 @@ def test_the_machine_reproduces_an_approved_runs_checkpoints(tmp_path: Path) -> 
     replayed = replay(home)
     assert "approval" in replayed
     assert replayed[-1] == "verifier"
+
+
+def test_the_machine_reproduces_a_refused_last_write_and_a_verifier_that_cannot_start(
+    tmp_path: Path,
+) -> None:
+    task = tmp_path / "task"
+    shutil.copytree(SANDBOXES / "fix-median", task)
+    with (task / "plan.toml").open("a") as plan:
+        plan.write('\n[[step]]\nkind = "write_file"\npath = "tests/x.py"\ncontent = "no\\n"\n')
+    refused = Gitrun(tmp_path / "refused")
+    assert refused("run", str(task), "--run-id", RUN).code == Exit.FAILED
+    assert replay(tmp_path / "refused")[-2:] == ["receipt", "gate_rejected"]
+    assert last_state(tmp_path / "refused").stop_reason == "agent_write_refused"
+
+    shutil.copytree(SANDBOXES / "fix-median", task, dirs_exist_ok=True)
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace('command = ["{python}"', 'command = ["/nonexistent"'))
+    nostart = Gitrun(tmp_path / "nostart")
+    assert nostart("run", str(task), "--run-id", RUN, "--isolation", "none").code == Exit.FAILED
+    assert replay(tmp_path / "nostart")[-1] == "verifier"
+    assert last_state(tmp_path / "nostart").stop_reason == "verifier_cannot_start"
+
+
+def last_state(home: Path) -> RunState:
+    return service.checkpoints(RUN, service.Options(Workspace(home)))[0].state
