@@ -12,26 +12,17 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pygit2
 
 from gitrun import gitstore
 from gitrun.codec import DecodeError, canonical_bytes, decode, digest, encode
-from gitrun.environment import Approval
-from gitrun.errors import ApprovalRefused, BadInput, CheckpointRejected, Frozen, ReceiptDrift
+from gitrun.errors import ApprovalRefused, BadInput, CheckpointRejected, ReceiptDrift
 from gitrun.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, TrustRoot, verify
-from gitrun.records import (
-    AWAITING_APPROVAL,
-    FAILED,
-    NEEDS_REVIEW,
-    RUNNING,
-    Event,
-    Pending,
-    Receipt,
-    RunState,
-)
+from gitrun.machine import approval_in
+from gitrun.machine_events import Grant, ReviewAbort, ReviewReplan
+from gitrun.records import AWAITING_APPROVAL, NEEDS_REVIEW, Pending, RunState
 
 if TYPE_CHECKING:
     from gitrun.runtime import Runtime
@@ -64,7 +55,7 @@ def read_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> Signed | None
         ) from exc
 
 
-def _clear_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> None:
+def clear_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> None:
     ref = inbox_ref(run_id, kind)
     current = gitstore.read_ref(repo, ref)
     if current is not None:
@@ -208,65 +199,17 @@ class Approvals:
         if evidence is None or s.phase != AWAITING_APPROVAL or s.pending is None:
             return False
         claims = self.check_approval(s, evidence)
-        sealed = s.sealed
-        if s.pending.approval is not None:
-            sealed = (
-                *sealed,
-                {"kind": "approval_superseded", "evidence": s.pending.approval, "at": time.time()},
-            )
-        pending = replace(s.pending, approval=encode(evidence))
-        event = Event(
-            "approval",
-            time.time(),
-            {
-                "fingerprint": evidence.fingerprint(),
-                "signer": evidence.signer,
-                "expires_at": claims["expires_at"],
-            },
-        )
-        rt.commit(
-            replace(
-                s,
-                pending=pending,
-                phase=RUNNING,
-                stop_reason=None,
-                sealed=sealed,
-                used_nonces=(*s.used_nonces, str(claims["nonce"])),
-            ).with_events(event)
-        )
-        _clear_inbox(rt.env.repo, s.run_id, "approval")
-        rt.say(f"approval {evidence.fingerprint()[:19]} by {evidence.signer} accepted")
+        nonce, expires = str(claims["nonce"]), claims["expires_at"]
+        rt.apply(approval_in(s, encode(evidence), evidence.signer, nonce, expires, time.time()))
         return True
 
-    def binding(self, rt: Runtime, pending: Pending) -> Approval:
-        """The approval the adapter must enforce, or freeze the run waiting for one."""
+    def grant(self, pending: Pending) -> Grant | None:
+        """The verified approval the adapter must enforce (None: the pending holds none)."""
         if pending.approval is None:
-            self.freeze(rt, "awaiting_approval")
+            return None
         evidence = self._signed(pending.approval)
         claims = verify(evidence, self._roots(), "approver", APPROVAL_DOMAIN)
-        expires = float(claims["expires_at"])
-        if expires <= time.time():
-            self.freeze(rt, "approval_expired")
-        return Approval(evidence.fingerprint(), expires)
-
-    def freeze(self, rt: Runtime, reason: str) -> None:
-        s = rt.state
-        if s.phase == RUNNING:
-            event = Event("frozen", time.time(), {"reason": reason})
-            rt.commit(replace(s, phase=AWAITING_APPROVAL, stop_reason=reason).with_events(event))
-        raise Frozen(rt.frozen_message())
-
-    def receipt_problem(self, pending: Pending, receipt: Receipt) -> str | None:
-        """Why a receipt of a risky write cannot be reconciled automatically, if it can't."""
-        if pending.approval is None:
-            return "the write committed without approval evidence in the checkpoint"
-        evidence = self._signed(pending.approval)
-        claims = verify(evidence, self._roots(), "approver", APPROVAL_DOMAIN)
-        if receipt.approval != evidence.fingerprint():
-            return "the write carries another approval than the checkpoint's"
-        if receipt.committed_at > float(claims["expires_at"]):
-            return "the write committed after its approval expired"
-        return None
+        return Grant(evidence.fingerprint(), float(claims["expires_at"]))
 
     # -- reviews -----------------------------------------------------------------------
 
@@ -286,59 +229,23 @@ class Approvals:
         )
         if wrong:
             raise ApprovalRefused("binding", f"the decision is bound to another {', '.join(wrong)}")
-        self._reread(rt, case.key, case.receipt_fingerprint, case.environment_version)
-        sealed_case = {
-            "kind": "review",
-            "case": encode(case),
-            "decision": encode(evidence),
-            "pending": encode(s.pending),
-            "at": time.time(),
-        }
-        event = Event(
-            "review_decision",
-            time.time(),
-            {"decision": claims["decision"], "signer": evidence.signer},
-        )
-        nonces = (*s.used_nonces, str(claims["nonce"]))
+        fp, head = self._reread(rt, case.key, case.receipt_fingerprint, case.environment_version)
+        ev, signer, nonce = encode(evidence), evidence.signer, str(claims["nonce"])
+        now = time.time()
         if claims["decision"] == "abort":
-            nxt = replace(
-                s,
-                phase=FAILED,
-                stop_reason="aborted_by_reviewer",
-                pending=None,
-                review=None,
-                sealed=(*s.sealed, sealed_case),
-                used_nonces=nonces,
-            )
+            rt.apply(ReviewAbort(ev, signer, nonce, fp, head, now))
         else:
             obs = rt.env.observe(full=True)
-            env = replace(
-                s.env,
-                head=obs.head,
-                tree=obs.tree,
-                observation_version=obs.head,
-                status_digest=obs.status_digest,
-            )
-            nxt = replace(
-                s,
-                phase=RUNNING,
-                stop_reason=None,
-                pending=None,
-                review=None,
-                env=env,
-                cursor=max(0, s.cursor - 1),
-                quarantined_keys=(*s.quarantined_keys, case.key),
-                sealed=(*s.sealed, sealed_case),
-                used_nonces=nonces,
-            )
-        rt.commit(nxt.with_events(event))
-        _clear_inbox(rt.env.repo, s.run_id, "review")
-        rt.say(f"review decision {claims['decision']} by {evidence.signer} accepted")
+            status = obs.status_digest
+            rt.apply(ReviewReplan(ev, signer, nonce, fp, obs.head, obs.tree, status, now))
         return True
 
     @staticmethod
-    def _reread(rt: Runtime, key: str, fingerprint: str, environment_version: str) -> None:
-        """The authoritative receipt and environment must be exactly what was reviewed."""
+    def _reread(
+        rt: Runtime, key: str, fingerprint: str, environment_version: str
+    ) -> tuple[str, str]:
+        """The authoritative receipt and environment must be exactly what was reviewed:
+        the receipt's fingerprint and the branch tip, as re-read now."""
         try:
             receipt = rt.env.lookup(key)
         except ReceiptDrift as exc:
@@ -357,3 +264,4 @@ class Approvals:
             raise ApprovalRefused(
                 "environment-changed", f"uncommitted changes: {list(obs.dirty[:5])}"
             )
+        return receipt.fingerprint(), head

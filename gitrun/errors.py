@@ -26,7 +26,7 @@ class Exit(IntEnum):
     BAD_INPUT = 2  # the user's input is wrong; nothing was changed
     FROZEN = 3  # waiting for a human: approval or review
     OWNED = 4  # another worker holds the run's lease
-    REFUSED = 5  # integrity refusal: checkpoint, environment or receipt does not hold
+    REFUSED = 5  # integrity refusal: checkpoint, environment, receipt or transition does not hold
     LEASE_LOST = 6  # this worker lost its lease mid-run; the new owner carries on
     CONFLICT = 7  # a race lost (a ref CAS, a run id taken); nothing of the loser is visible
     INTERNAL = 70  # a bug in gitrun (EX_SOFTWARE); GITRUN_DEBUG=1 shows the traceback
@@ -200,6 +200,27 @@ class LeaseLost(GitrunError, RuntimeError):
 
 class Frozen(GitrunError, RuntimeError):
     """The run waits for a human (approval or review); nothing executes until then."""
+
+    exit_code = Exit.FROZEN
+
+
+class IllegalTransition(GitrunError, RuntimeError):
+    """The run's phase (or its pending intent) does not accept this event; nothing changed."""
+
+    exit_code = Exit.REFUSED
+
+    def __init__(self, phase: str, event: object, message: str) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.event = event
+
+    @property
+    def event_name(self) -> str:
+        return type(self.event).__name__
+
+
+class RunFrozen(IllegalTransition, Frozen):
+    """Refused because the run waits for a human (or is not running): exit as Frozen."""
 
     exit_code = Exit.FROZEN
 

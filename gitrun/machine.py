@@ -15,7 +15,7 @@ from typing import Any
 
 from gitrun import machine_evidence
 from gitrun.codec import digest, encode
-from gitrun.errors import EnvironmentDrift
+from gitrun.errors import EnvironmentDrift, IllegalTransition, RunFrozen
 from gitrun.machine_events import (
     ApprovalAccepted,
     ApprovalExpired,
@@ -28,7 +28,6 @@ from gitrun.machine_events import (
     Finished,
     Freeze,
     Grant,
-    IllegalTransition,
     MachineEvent,
     Outcome,
     PendingRejectedAtExecute,
@@ -38,16 +37,16 @@ from gitrun.machine_events import (
     ReceiptConflict,
     ReviewAbort,
     ReviewReplan,
-    RunFrozen,
     RunVerifier,
     Say,
     SyncIndex,
+    VerifierCannotStart,
     VerifierResult,
     WriteReceipt,
 )
+from gitrun.machine_evidence import approval_in, proposing
 from gitrun.records import (
     AWAITING_APPROVAL,
-    DONE,
     FAILED,
     NEEDS_REVIEW,
     RUNNING,
@@ -56,10 +55,10 @@ from gitrun.records import (
     Receipt,
     ReviewCase,
     RunState,
-    VerifierEvent,
 )
 
 __all__ = [
+    "AGENT_WRITE_REFUSED",
     "CONFLICT_REASON",
     "INDEX_SYNC_EVERY",
     "ApprovalAccepted",
@@ -87,6 +86,7 @@ __all__ = [
     "RunVerifier",
     "Say",
     "SyncIndex",
+    "VerifierCannotStart",
     "VerifierResult",
     "WriteReceipt",
     "approval_in",
@@ -97,6 +97,7 @@ __all__ = [
 
 INDEX_SYNC_EVERY = 32  # writes between two syncs of the worktree's index (O(files) each)
 CONFLICT_REASON = "same idempotency key, different intent digest"
+AGENT_WRITE_REFUSED = "agent_write_refused"  # stop reason: the agent's last write was refused
 
 
 def frozen_message(s: RunState) -> str:
@@ -137,15 +138,6 @@ def stamp(
     )
 
 
-def approval_in(
-    state: RunState, evidence: Any, signer: str, nonce: str, expires_at: float, at: float
-) -> ApprovalAccepted | ApprovalRefreshed:
-    """The approval event for verified evidence: a refresh when evidence is already held."""
-    held = state.pending is not None and state.pending.approval is not None
-    cls = ApprovalRefreshed if held else ApprovalAccepted
-    return cls(evidence, signer, nonce, expires_at, at)
-
-
 def transition(state: RunState, event: MachineEvent) -> Outcome:
     """The next state and the effects to perform, in order; raise if ``event`` is illegal."""
     handler = _HANDLERS.get(type(event))
@@ -155,12 +147,6 @@ def transition(state: RunState, event: MachineEvent) -> Outcome:
 
 
 # -- guards ----------------------------------------------------------------------------
-
-
-def _proposing(s: RunState, e: MachineEvent) -> None:
-    """What ``Runtime.step`` requires: running, and no intent waiting to execute."""
-    if s.phase != RUNNING or s.pending is not None:
-        raise RunFrozen(s.phase, e, f"run {s.run_id} is {s.phase}; no new proposal is accepted")
 
 
 def _executing(s: RunState, e: MachineEvent) -> Pending:
@@ -190,7 +176,7 @@ def _reconciling(s: RunState, e: WriteReceipt | ReceiptConflict) -> Pending:
 
 
 def _proposed(s: RunState, e: Proposed) -> Outcome:
-    _proposing(s, e)
+    proposing(s, e)
     why = _bad_intent(s, e)
     if why is not None:
         raise IllegalTransition(s.phase, e, why)
@@ -231,18 +217,24 @@ def _gate_event(rule: str, message: str, summary: str, at: float) -> Event:
 
 
 def _proposal_rejected(s: RunState, e: ProposalRejected) -> Outcome:
-    _proposing(s, e)
+    proposing(s, e)
     if e.rule.startswith("budget-"):
         return _exhausted(s, e.rule, e.message, e.summary, e.at)
     budgets = replace(s.budgets, proposals=s.budgets.proposals + 1)
     nxt = replace(s, cursor=s.cursor + 1, budgets=budgets).with_events(
         _gate_event(e.rule, e.message, e.summary, e.at)
     )
-    return nxt, (Say(f"gate rejected {e.summary}: {e.message}"), Persist(nxt))
+    said = Say(f"gate rejected {e.summary}: {e.message}")
+    if not e.last:
+        # An earlier refusal may be recovered from by the writes after it (later steps).
+        return nxt, (said, Persist(nxt))
+    nxt = replace(nxt, phase=FAILED, stop_reason=AGENT_WRITE_REFUSED)
+    why = f"run {s.run_id} failed: the agent's last write was refused ({e.rule})"
+    return nxt, (said, Persist(nxt), Say(why))
 
 
 def _budget_exhausted(s: RunState, e: BudgetExhausted) -> Outcome:
-    _proposing(s, e)
+    proposing(s, e)
     if not e.rule.startswith("budget-"):
         raise IllegalTransition(s.phase, e, f"{e.rule} is not a budget rule")
     return _exhausted(s, e.rule, e.message, e.summary, e.at)
@@ -256,7 +248,7 @@ def _exhausted(s: RunState, rule: str, message: str, summary: str, at: float) ->
 
 
 def _finished(s: RunState, e: Finished) -> Outcome:
-    _proposing(s, e)
+    proposing(s, e)
     return s, (RunVerifier(s.env.head, s.env.tree),)
 
 
@@ -302,14 +294,12 @@ def _rejected_at_execute(s: RunState, e: PendingRejectedAtExecute) -> Outcome:
     p = _executing(s, e)
     if e.rule.startswith("budget-"):
         raise IllegalTransition(s.phase, e, "a persisted intent is not re-gated on budgets")
-    data = {"rule": e.rule, "message": e.message, "action": p.action.summary(), "key": p.key}
-    sealed = s.sealed
-    if p.approval is not None:
-        sealed = (*sealed, {"kind": "approval_abandoned", "evidence": p.approval, "at": e.at})
-    nxt = replace(s, pending=None, sealed=sealed).with_events(
-        Event("gate_rejected", e.at, {**data, "stage": "execute"})
+    summary = p.action.summary()
+    data = {"rule": e.rule, "message": e.message, "action": summary, "key": p.key}
+    nxt = replace(s, pending=None).with_events(
+        Event("gate_rejected", e.at, {**data, "at": "execute"})
     )
-    return nxt, (Say(f"gate rejected {p.action.summary()} at execute: {e.message}"), Persist(nxt))
+    return nxt, (Say(f"gate rejected pending {summary}: {e.message}; abandoned"), Persist(nxt))
 
 
 # -- receipts ----------------------------------------------------------------------------
@@ -326,6 +316,12 @@ def _write_receipt(s: RunState, e: WriteReceipt) -> Outcome:
         if problem is not None:
             return _open_review(s, p, r, problem, e.environment_version, e.at)
     if s.phase != RUNNING:
+        # A covered write found while awaiting approval. DESIGN.md §5 would reconcile it
+        # (record, go running); the runtime before the machine tried to record it keeping
+        # the phase, an invalid checkpoint validate_state refused (exit 5). No real run
+        # reaches it: the key is looked up before any freeze, and a crash after the write
+        # resumes running (only a hand-made commit of the exact write lands here). Kept a
+        # refusal that changes nothing, until a test shows the path.
         raise IllegalTransition(
             s.phase, e, f"run {s.run_id} is {s.phase}: recording would leave it without a pending"
         )
@@ -401,31 +397,6 @@ def _open_review(
     )
 
 
-# -- verification ------------------------------------------------------------------------
-
-
-def _verifier_result(s: RunState, e: VerifierResult) -> Outcome:
-    """``Runtime.verify``: done only when passing on the HEAD and tree of the last write."""
-    _proposing(s, e)
-    if e.head != s.env.head:
-        raise EnvironmentDrift("head-moved", f"HEAD {e.head} is not the last write {s.env.head}")
-    if e.tree != s.env.tree:
-        raise EnvironmentDrift(
-            "tree-changed", f"tree {e.tree} is not the last write's {s.env.tree}"
-        )
-    ver = VerifierEvent(e.head, e.tree, e.passed, e.summary, dict(e.outcomes), e.at)
-    phase, reason = (DONE, "verified") if e.passed else (FAILED, "verifier_failed")
-    data = {**encode(ver), "exit_code": e.exit_code, "timed_out": e.timed_out, **e.extra}
-    nxt = replace(
-        s,
-        phase=phase,
-        stop_reason=reason,
-        verifier=ver,
-        env=replace(s.env, status_digest=e.status),
-    ).with_events(Event("verifier", e.at, data))
-    return nxt, (Persist(nxt), Say(f"verifier: {e.summary}"))
-
-
 _HANDLERS: dict[type, Callable[[RunState, Any], Outcome]] = {
     Proposed: _proposed,
     ProposalRejected: _proposal_rejected,
@@ -440,5 +411,6 @@ _HANDLERS: dict[type, Callable[[RunState, Any], Outcome]] = {
     ApprovalRefreshed: machine_evidence.approval,
     ReviewReplan: machine_evidence.review,
     ReviewAbort: machine_evidence.review,
-    VerifierResult: _verifier_result,
+    VerifierResult: machine_evidence.verifier_result,
+    VerifierCannotStart: machine_evidence.verifier_cannot_start,
 }

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gitrun.errors import Frozen, GitrunError
 from gitrun.records import Action, Pending, Precondition, Receipt, RunState
 
 
@@ -39,12 +38,17 @@ class Proposed:
 
 @dataclass(frozen=True)
 class ProposalRejected:
-    """The gate refused a proposal (a ``budget-*`` rule ends the run, as BudgetExhausted)."""
+    """The gate refused a proposal (a ``budget-*`` rule ends the run, as BudgetExhausted).
+
+    ``last``: it was the agent's last proposal, so the run ends failed (its last write
+    did not land, so HEAD is not its work; a verifier pass would call a refusal done).
+    """
 
     rule: str
     message: str
     summary: str
     at: float
+    last: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,10 @@ class ApprovalExpired:
 
 @dataclass(frozen=True)
 class PendingRejectedAtExecute:
-    """Gated again at execute time against the worktree as it is then, and refused."""
+    """Gated again at execute time (every rule but the budgets, against the intent's
+    precondition tree; the key was looked up first and not found) and refused by policy:
+    the pending is abandoned, the run goes on. Drift on disk is not this event: the
+    adapter refuses it and the intent stays pending for after the human's fix."""
 
     rule: str
     message: str
@@ -172,7 +179,23 @@ class VerifierResult:
     exit_code: int | None
     timed_out: bool
     at: float
-    extra: dict[str, Any] = field(default_factory=dict)  # more trace facts (isolation, …)
+    extra: dict[str, Any] = field(default_factory=dict)  # more trace facts (network, …)
+    isolation: str = "none"  # the sandbox the tests ran under ("bwrap" or "none")
+
+
+@dataclass(frozen=True)
+class VerifierCannotStart:
+    """The test command could not be started (not found, not executable): the run fails,
+    every required test counted an error."""
+
+    head: str
+    tree: str
+    status: str
+    summary: str
+    required: tuple[str, ...]
+    at: float
+    extra: dict[str, Any] = field(default_factory=dict)
+    isolation: str = "none"
 
 
 MachineEvent = (
@@ -190,6 +213,7 @@ MachineEvent = (
     | ReviewReplan
     | ReviewAbort
     | VerifierResult
+    | VerifierCannotStart
 )
 
 # -- effects ---------------------------------------------------------------------------
@@ -248,22 +272,3 @@ class SyncIndex:
 Effect = Persist | Execute | RunVerifier | Freeze | Say | ClearInbox | SyncIndex
 
 Outcome = tuple[RunState, tuple[Effect, ...]]
-
-# -- refusals --------------------------------------------------------------------------
-
-
-class IllegalTransition(GitrunError, RuntimeError):
-    """The run's phase (or its pending intent) does not accept this event; nothing changed."""
-
-    def __init__(self, phase: str, event: MachineEvent, message: str) -> None:
-        super().__init__(message)
-        self.phase = phase
-        self.event = event
-
-    @property
-    def event_name(self) -> str:
-        return type(self.event).__name__
-
-
-class RunFrozen(IllegalTransition, Frozen):
-    """Refused because the run waits for a human (or is not running): exit as Frozen."""

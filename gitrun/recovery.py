@@ -79,34 +79,41 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
         env.check_writable(s.pending.action, tip.tree)  # a link in its way: refuse now
         return "intent-without-write"
     if s.pending is not None and _is_pending_write(rt, tip):
-        # Through the receipt index, not the tip alone: an index naming another commit
-        # (the real receipt, lost to a history rewrite) is drift, and a missing index
-        # (killed while writing it) is rebuilt, clearing its stale lock.
-        receipt = env.lookup(s.pending.key, since=s.env.head, repair=apply)
-        if receipt is None:
-            raise EnvironmentDrift("foreign-commit", f"{tip.id} is not a gitrun write")
-        if receipt.commit != str(tip.id):
-            raise ReceiptDrift(
-                "index-mismatch",
-                f"the receipt index for {s.pending.key} names {receipt.commit}, "
-                f"not the branch tip {tip.id}",
-            )
-        if receipt.intent_digest != s.pending.intent_digest:
-            if apply:
-                rt.open_review(receipt, "same idempotency key, different intent digest")
-            return "conflict"
-        if not apply:
-            env.repair_sync(check_only=True, skip=skip)
-            return "write-reconciled"
-        env.repair_sync(rt.lease.fence)
-        obs = env.observe(full=True)
-        if obs.dirty:
-            raise EnvironmentDrift(
-                "uncommitted-edits", f"uncommitted changes: {list(obs.dirty[:5])}"
-            )
-        rt.accept(receipt, replayed=True)
-        return "write-reconciled"
+        return _reconcile_write(rt, tip, skip, apply=apply)
     raise _classify_drift(env.repo, pygit2.Oid(hex=s.env.head), tip.id)
+
+
+def _reconcile_write(rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool) -> str:
+    """Window 3: the branch moved by exactly the pending write; take its receipt in
+    (``conflict`` opens a review; ``apply=False`` only checks)."""
+    s, env = rt.state, rt.env
+    if s.pending is None:
+        raise ReceiptDrift("not-pending", "a write to reconcile needs a pending intent")
+    # Through the receipt index, not the tip alone: an index naming another commit
+    # (the real receipt, lost to a history rewrite) is drift, and a missing index
+    # (killed while writing it) is rebuilt, clearing its stale lock.
+    receipt = env.lookup(s.pending.key, since=s.env.head, repair=apply)
+    if receipt is None:
+        raise EnvironmentDrift("foreign-commit", f"{tip.id} is not a gitrun write")
+    if receipt.commit != str(tip.id):
+        raise ReceiptDrift(
+            "index-mismatch",
+            f"the receipt index for {s.pending.key} names {receipt.commit}, "
+            f"not the branch tip {tip.id}",
+        )
+    if receipt.intent_digest != s.pending.intent_digest:
+        if apply:
+            rt.conflict(receipt)
+        return "conflict"
+    if not apply:
+        env.repair_sync(check_only=True, skip=skip)
+        return "write-reconciled"
+    env.repair_sync(rt.lease.fence)
+    obs = env.observe(full=True)
+    if obs.dirty:
+        raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes: {list(obs.dirty[:5])}")
+    rt.accept(receipt, replayed=True)
+    return "write-reconciled"
 
 
 def _own_leftovers(rt: Runtime, *, apply: bool) -> list[str]:

@@ -1,8 +1,9 @@
-"""The runtime: the step protocol of DESIGN.md §3 as a state machine over checkpoints.
+"""The runtime: drives the pure state machine (:mod:`gitrun.machine`) over the stores.
 
-Each transition builds the next :class:`RunState`, and :meth:`Runtime.commit` makes it
-durable (validated, signed, compare-and-swapped, fenced by the lease). A crash between
-any two lines leaves a checkpoint from which :mod:`gitrun.recovery` continues exactly.
+Every next :class:`RunState` is computed by :func:`gitrun.machine.transition`; this
+module only observes, asks the agent and the gate, and performs the effects the machine
+hands out (a checkpoint advance, a write, a verifier run). A crash between any two
+effects leaves a checkpoint from which :mod:`gitrun.recovery` continues exactly.
 """
 
 from __future__ import annotations
@@ -12,40 +13,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import pygit2
 
 from gitrun import faults, gitstore, sandbox
+from gitrun import machine as m
 from gitrun.agents import Finish, ScriptAgent
-from gitrun.approvals import Approvals
+from gitrun.approvals import Approvals, clear_inbox
 from gitrun.checkpoint import CheckpointStore
-from gitrun.codec import encode
-from gitrun.environment import Environment, Observation
-from gitrun.errors import (
-    EnvironmentDrift,
-    Frozen,
-    GateRejected,
-    GitrunError,
-    ReceiptConflict,
-    ReceiptDrift,
-)
+from gitrun.environment import Approval, Environment, Observation
+from gitrun.errors import EnvironmentDrift, Frozen, GateRejected, GitrunError, ReceiptConflict
 from gitrun.gate import Gate
 from gitrun.lease import LeaseManager
 from gitrun.records import (
     AWAITING_APPROVAL,
-    DONE,
-    FAILED,
     NEEDS_REVIEW,
     RUNNING,
     Budgets,
     EnvState,
     Event,
-    Pending,
     Precondition,
     Receipt,
-    ReviewCase,
     RunState,
-    VerifierEvent,
     new_key,
 )
 from gitrun.sandbox import CommandCannotStart, Confinement
@@ -53,8 +43,6 @@ from gitrun.task import Task
 from gitrun.verifier import Secrets, VerifierResult, verify_tree
 
 Say = Callable[[str], None]
-AGENT_WRITE_REFUSED = "agent_write_refused"  # stop reason: the agent's last write was refused
-INDEX_SYNC_EVERY = 32  # writes between two syncs of the worktree's index (O(files) each)
 
 
 @dataclass
@@ -76,22 +64,42 @@ class Runtime:
         self._segment_start = time.time()
         self.gate = Gate(self.task, self.env.worktree, self.env.repo)
 
-    # -- durability --------------------------------------------------------------------
+    # -- the machine and its effects ---------------------------------------------------
+
+    def apply(self, event: m.MachineEvent) -> None:
+        """Hand ``event`` to the state machine and perform its effects, in order."""
+        _, effects = m.transition(self.state, event)
+        for effect in effects:
+            self._perform(effect)
+
+    def _perform(self, effect: m.Effect) -> None:
+        if isinstance(effect, m.Persist):
+            self.commit(effect.state)
+        elif isinstance(effect, m.Say):
+            self.say(effect.line)
+        elif isinstance(effect, m.Execute):
+            self._execute(effect)
+        elif isinstance(effect, m.RunVerifier):
+            self._verify(effect)
+        elif isinstance(effect, m.ClearInbox):
+            clear_inbox(self.env.repo, self.state.run_id, effect.kind)
+        elif isinstance(effect, m.SyncIndex):
+            # Bound how far the worktree's index lags, so a full observation (resume,
+            # verify) never does work that grows with the length of the run.
+            self.env.sync_index()
+        # Freeze: the run's phase now waits for a human; run() stops and raises Frozen.
 
     def commit(self, state: RunState) -> None:
-        """Make ``state`` the next checkpoint (generation + 1)."""
+        """Persist: make ``state`` the next checkpoint (generation + 1)."""
         now = time.time()
-        used = replace(
-            state.budgets, wall_seconds=state.budgets.wall_seconds + (now - self._segment_start)
-        )
         fence = self.lease.fence
-        nxt = replace(
+        nxt = m.stamp(
             state,
             generation=self.state.generation + 1,
-            budgets=used,
-            identity=self.lease.worker,
+            elapsed=now - self._segment_start,
+            worker=self.lease.worker,
             lease_version=fence.version,
-            updated_at=now,
+            now=now,
         )
         self.checkpoint = self.store.advance(self.ref, nxt, self.checkpoint, fence)
         self._segment_start = now
@@ -121,20 +129,7 @@ class Runtime:
         return self.state
 
     def frozen_message(self) -> str:
-        s = self.state
-        if s.phase == AWAITING_APPROVAL and s.pending is not None:
-            return (
-                f"run {s.run_id} waits for approval of {s.pending.action.summary()} "
-                f"(risk: {s.pending.risk}; {s.stop_reason}); approve with: "
-                f"gitrun approve {s.run_id} --key APPROVER.key, then: "
-                f"gitrun resume {s.run_id} --trust-roots TRUST_ROOTS.json"
-            )
-        if s.phase == NEEDS_REVIEW and s.review is not None:
-            return (
-                f"run {s.run_id} needs review ({s.review.reason}) for key {s.review.key}; "
-                f"see: gitrun review show {s.run_id}"
-            )
-        return f"run {s.run_id} is {s.phase} ({s.stop_reason})"
+        return m.frozen_message(self.state)
 
     def step(self) -> None:
         """Observe, propose, gate, and persist the intent (or the rejection)."""
@@ -145,67 +140,20 @@ class Runtime:
         obs = self.env.observe(full=False)
         decision = self.agent.propose(obs, s.cursor)
         if isinstance(decision, Finish):
-            self.verify()
+            self.apply(m.Finished(time.time()))
             return
-        tree = self.env.head().tree
         try:
-            action = self.gate.check(decision, tree, s.budgets, self._segment_start)
+            action = self.gate.check(decision, self.env.head().tree, s.budgets, self._segment_start)
         except GateRejected as exc:
-            self._rejected(decision.summary(), exc)
+            last = not exc.rule.startswith("budget-") and self.agent.is_last(s.cursor)
+            self.apply(
+                m.ProposalRejected(exc.rule, exc.message, decision.summary(), time.time(), last)
+            )
             return
-        budgets = replace(s.budgets, proposals=s.budgets.proposals + 1)
+        pre = Precondition(obs.instance_id, obs.head, obs.tree)
         risk = self.gate.risk(action)
-        pending = Pending(
-            action=action,
-            key=new_key(),
-            intent_digest=action.intent_digest(),
-            risk=risk,
-            precondition=Precondition(obs.instance_id, obs.head, obs.tree),
-            approval=None,
-            proposed_at=time.time(),
-        )
-        event = Event(
-            "intent",
-            time.time(),
-            {
-                "key": pending.key,
-                "action": action.summary(),
-                "digest": pending.intent_digest,
-                "risk": risk,
-            },
-        )
-        nxt = replace(s, pending=pending, cursor=s.cursor + 1, budgets=budgets).with_events(event)
-        if risk is not None:
-            nxt = replace(nxt, phase=AWAITING_APPROVAL, stop_reason="awaiting_approval")
-        self.commit(nxt)
-        self.say(
-            f"intent {pending.key}: {action.summary()}"
-            + (f" [needs approval: {risk}]" if risk else "")
-        )
+        self.apply(m.Proposed(action, new_key(), action.intent_digest(), risk, pre, time.time()))
         faults.point("after_intent_checkpoint")
-
-    def _rejected(self, summary: str, exc: GateRejected) -> None:
-        s = self.state
-        event = Event(
-            "gate_rejected",
-            time.time(),
-            {"rule": exc.rule, "message": exc.message, "action": summary},
-        )
-        self.say(f"gate rejected {summary}: {exc.message}")
-        if exc.rule.startswith("budget-"):
-            self.commit(replace(s, phase=FAILED, stop_reason="budget_exhausted").with_events(event))
-            return
-        budgets = replace(s.budgets, proposals=s.budgets.proposals + 1)
-        nxt = replace(s, cursor=s.cursor + 1, budgets=budgets).with_events(event)
-        last = self.agent.is_last(s.cursor)
-        if last:
-            # The agent's last write did not land, so HEAD is not its work: a verifier
-            # pass now would call a refused change done. An earlier refusal may be
-            # recovered from by the writes after it (a plan's later steps).
-            nxt = replace(nxt, phase=FAILED, stop_reason=AGENT_WRITE_REFUSED)
-        self.commit(nxt)
-        if last:
-            self.say(f"run {s.run_id} failed: the agent's last write was refused ({exc.rule})")
 
     def execute_pending(self) -> None:
         """Execute the pending intent with its own key (windows 2 and 3), then record it.
@@ -232,153 +180,99 @@ class Runtime:
         try:
             self.gate.check_action(p.action, tree, on_disk=False)
         except GateRejected as exc:
-            self._abandon(exc)
+            self.apply(m.PendingRejectedAtExecute(exc.rule, exc.message, time.time()))
             return
-        approval = self.approvals.binding(self, p) if p.risk is not None else None
+        grant = self.approvals.grant(p) if p.risk is not None else None
+        self.apply(m.ExecuteDue(time.time(), grant))
+
+    def _execute(self, effect: m.Execute) -> None:
+        """Execute: one write with the intent's key under the lease, then its receipt."""
+        p, grant = effect.pending, effect.grant
+        approval = None if grant is None else Approval(grant.fingerprint, grant.expires_at)
         try:
             outcome = self.env.execute(
                 p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval
             )
         except ReceiptConflict as conflict:
-            self.open_review(conflict.receipt, "same idempotency key, different intent digest")
+            self.conflict(conflict.receipt)
             return
-        self.accept(outcome.receipt, replayed=outcome.replayed)
+        self.accept(outcome.receipt, replayed=outcome.replayed, grant=grant)
 
-    def _abandon(self, exc: GateRejected) -> None:
-        """Drop a pending action the gate refuses at execute time: the run goes on."""
-        s = self.state
-        p = s.pending
-        if p is None:
-            raise GitrunError("no pending action to abandon")
-        data = {"rule": exc.rule, "message": exc.message, "action": p.action.summary()}
-        event = Event("gate_rejected", time.time(), {**data, "key": p.key, "at": "execute"})
-        self.say(f"gate rejected pending {p.action.summary()}: {exc.message}; abandoned")
-        self.commit(replace(s, pending=None).with_events(event))
-
-    def accept(self, receipt: Receipt, replayed: bool) -> None:
+    def accept(self, receipt: Receipt, replayed: bool, grant: m.Grant | None = None) -> None:
         """Record a receipt, unless it cannot be reconciled without a human."""
         p = self.state.pending
-        if p is not None and receipt.intent_digest != p.intent_digest:
-            self.open_review(receipt, "same idempotency key, different intent digest")
-            return
-        if p is not None and p.risk is not None:
-            problem = self.approvals.receipt_problem(p, receipt)
-            if problem is not None:
-                self.open_review(receipt, problem)
-                return
-        self.record(receipt, replayed)
+        risky = p is not None and p.risk is not None and grant is None
+        if risky and p is not None and receipt.intent_digest == p.intent_digest:
+            grant = self.approvals.grant(p)  # (another digest is a conflict: no grant needed)
+        tip = str(self.env.head().id)
+        self.apply(m.WriteReceipt(receipt, replayed, tip, time.time(), grant))
 
-    def record(self, receipt: Receipt, replayed: bool) -> None:
-        """Record the receipt of the pending intent: the deterministic transition."""
-        s = self.state
-        p = s.pending
-        if p is None:
-            raise GitrunError("a receipt needs a pending intent")
-        if receipt.key != p.key or receipt.intent_digest != p.intent_digest:
-            raise ReceiptDrift(
-                "not-pending", f"receipt {receipt.commit} is not the pending intent's"
-            )
-        if (
-            receipt.parent != p.precondition.head
-            or receipt.instance_id != p.precondition.instance_id
-        ):
-            raise EnvironmentDrift(
-                "foreign-commit",
-                f"receipt {receipt.commit} was not made on the intent's precondition",
-            )
-        env = replace(
-            s.env,
-            head=receipt.commit,
-            tree=receipt.tree,
-            observation_version=receipt.commit,
-            adapter_generation=s.env.adapter_generation + 1,
-        )
-        budgets = replace(s.budgets, steps=s.budgets.steps + 1)
-        event = Event(
-            "receipt",
-            time.time(),
-            {
-                "receipt": encode(receipt),
-                "replayed": replayed,
-                "fingerprint": receipt.fingerprint(),
-            },
-        )
-        self.commit(
-            replace(
-                s, pending=None, env=env, budgets=budgets, receipts=s.receipts.add(receipt)
-            ).with_events(event)
-        )
-        how = "reconciled" if replayed else "committed"
-        self.say(f"{how} {receipt.commit[:12]} for {receipt.key}")
-        if self.state.env.adapter_generation % INDEX_SYNC_EVERY == 0:
-            # Bound how far the worktree's index lags, so a full observation (resume,
-            # verify) never does work that grows with the length of the run.
-            self.env.sync_index()
+    def conflict(self, receipt: Receipt) -> None:
+        """The pending key is committed with another intent: freeze for review."""
+        self.apply(m.ReceiptConflict(receipt, str(self.env.head().id), time.time()))
 
-    def open_review(self, receipt: Receipt, reason: str) -> None:
-        s = self.state
-        p = s.pending
-        if p is None:
-            raise GitrunError("a review case needs a pending intent")
-        case = ReviewCase(
-            action=p.action,
-            key=p.key,
-            pending_digest=p.intent_digest,
-            receipt_digest=receipt.intent_digest,
-            receipt=receipt,
-            receipt_fingerprint=receipt.fingerprint(),
-            environment_version=str(self.env.head().id),
-            reason=reason,
-            opened_at=time.time(),
-        )
-        event = Event("receipt_conflict", time.time(), {"case": encode(case)})
-        self.commit(
-            replace(s, phase=NEEDS_REVIEW, stop_reason="receipt_conflict", review=case).with_events(
-                event
-            )
-        )
-        self.say(f"review needed for {p.key}: {reason}; run frozen")
+    # -- verification ------------------------------------------------------------------
 
-    def verify(self) -> None:
-        """Run the verifier on a fresh copy of the last write's tree and finish the run."""
+    def _verify(self, effect: m.RunVerifier) -> None:
+        """RunVerifier: the tests on a fresh copy of the last write's tree, in a sandbox."""
         faults.point("before_verify")
-        obs = self.env.observe(full=True)
-        if obs.dirty:
-            raise EnvironmentDrift(
-                "uncommitted-edits", f"uncommitted changes before verify: {list(obs.dirty[:5])}"
-            )
-        if obs.head != self.state.env.head or obs.tree != self.state.env.tree:
-            raise EnvironmentDrift(
-                "head-moved", f"HEAD {obs.head} is not the last write {self.state.env.head}"
-            )
+        obs = self._clean_at(effect)
         confinement = self._confinement()
         where = f"bwrap, network {confinement.network}" if confinement.confined else "none"
         self.say(f"verifier: {' '.join(self.task.verifier.command)} (isolation: {where})")
+        extra: dict[str, Any] = {"network": confinement.network}
+        if not confinement.confined:
+            extra["unconfined_because"] = confinement.reason
         try:
-            result, made = verify_tree(
-                self.task.verifier,
-                self.env.repo,
-                pygit2.Oid(hex=self.state.env.tree),
-                confinement=confinement,
-                secrets=self._secrets(),
-                heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
-                progress=_every(5.0, self.say),
-                # several heartbeats per lease, so even a 1 s lease is renewed before it expires
-                heartbeat_interval=min(1.0, self.lease.duration / 4),
-            )
+            result, made = self._run_tests(effect.tree, confinement)
         except CommandCannotStart as exc:
-            self._finish_verify(obs, obs.tree, confinement, None, str(exc))
+            cannot = m.VerifierCannotStart(
+                obs.head, obs.tree, obs.status_digest, str(exc),
+                tuple(self.task.verifier.required), time.time(), extra, confinement.kind,
+            )  # fmt: skip
+            self.apply(cannot)
             return
         faults.point("after_verify")
-        if made != self.state.env.tree:
-            raise EnvironmentDrift("verifier-tree", f"verified {made}, not {self.state.env.tree}")
+        if made != effect.tree:
+            raise EnvironmentDrift("verifier-tree", f"verified {made}, not {effect.tree}")
         after = self.env.observe(full=True)
         if after.fingerprint() != obs.fingerprint():
             raise EnvironmentDrift(
                 "verifier-changed-tree",
                 f"the test command changed the worktree: {list(after.dirty[:5])}",
             )
-        self._finish_verify(obs, made, confinement, result, result.summary)
+        verdict = m.VerifierResult(
+            result.passed, obs.head, made, obs.status_digest, result.summary,
+            dict(result.outcomes), result.exit_code, result.timed_out, time.time(),
+            extra, confinement.kind,
+        )  # fmt: skip
+        self.apply(verdict)
+
+    def _clean_at(self, effect: m.RunVerifier) -> Observation:
+        """The worktree must be exactly the last write before its tests run."""
+        obs = self.env.observe(full=True)
+        if obs.dirty:
+            raise EnvironmentDrift(
+                "uncommitted-edits", f"uncommitted changes before verify: {list(obs.dirty[:5])}"
+            )
+        if obs.head != effect.head or obs.tree != effect.tree:
+            raise EnvironmentDrift(
+                "head-moved", f"HEAD {obs.head} is not the last write {effect.head}"
+            )
+        return obs
+
+    def _run_tests(self, tree: str, confinement: Confinement) -> tuple[VerifierResult, str]:
+        return verify_tree(
+            self.task.verifier,
+            self.env.repo,
+            pygit2.Oid(hex=tree),
+            confinement=confinement,
+            secrets=self._secrets(),
+            heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
+            progress=_every(5.0, self.say),
+            # several heartbeats per lease, so even a 1 s lease is renewed before it expires
+            heartbeat_interval=min(1.0, self.lease.duration / 4),
+        )
 
     def _confinement(self) -> Confinement:
         """The isolation in force: the command line's setting, else the task's."""
@@ -400,46 +294,6 @@ class Runtime:
         if os.environ.get("GITRUN_KEY_FILE"):
             files.append(Path(os.environ["GITRUN_KEY_FILE"]))
         return Secrets(tuple(dirs), tuple(files))
-
-    def _finish_verify(
-        self,
-        obs: Observation,
-        tree: str,
-        confinement: Confinement,
-        result: VerifierResult | None,
-        summary: str,
-    ) -> None:
-        """Checkpoint the verdict: done only with a passing result on the last write's tree."""
-        passed = result is not None and result.passed
-        outcomes = (
-            dict(result.outcomes)
-            if result is not None
-            else dict.fromkeys(self.task.verifier.required, "error")
-        )
-        event = VerifierEvent(
-            obs.head, tree, passed, summary, outcomes, time.time(), confinement.kind
-        )
-        if result is None:
-            phase, reason = FAILED, "verifier_cannot_start"
-        else:
-            phase, reason = (DONE, "verified") if passed else (FAILED, "verifier_failed")
-        s = self.state
-        env = replace(s.env, status_digest=obs.status_digest)
-        trace = Event(
-            "verifier",
-            time.time(),
-            {
-                **encode(event),
-                "exit_code": None if result is None else result.exit_code,
-                "timed_out": result is not None and result.timed_out,
-                "network": confinement.network,
-                **({} if confinement.confined else {"unconfined_because": confinement.reason}),
-            },
-        )
-        self.commit(
-            replace(s, phase=phase, stop_reason=reason, verifier=event, env=env).with_events(trace)
-        )
-        self.say(f"verifier: {summary}")
 
 
 def _every(seconds: float, say: Say) -> Say:

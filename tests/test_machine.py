@@ -37,6 +37,7 @@ from machine_world import (
 from gitrun.codec import digest, encode
 from gitrun.errors import ApprovalRefused, EnvironmentDrift, Exit, Frozen
 from gitrun.machine import (
+    AGENT_WRITE_REFUSED,
     CONFLICT_REASON,
     ApprovalAccepted,
     ApprovalExpired,
@@ -62,6 +63,7 @@ from gitrun.machine import (
     RunVerifier,
     Say,
     SyncIndex,
+    VerifierCannotStart,
     VerifierResult,
     WriteReceipt,
     approval_in,
@@ -216,6 +218,24 @@ def test_a_rejected_proposal_counts_and_advances_the_cursor() -> None:
     }
 
 
+def test_a_refusal_of_the_agents_last_proposal_fails_the_run_in_the_same_checkpoint() -> None:
+    s0 = initial_state()
+    event = ProposalRejected("path-dotdot", "refused", "write_file ../x", 5.0, last=True)
+    nxt, effects = transition(s0, event)
+    assert (nxt.phase, nxt.stop_reason, nxt.pending) == (FAILED, AGENT_WRITE_REFUSED, None)
+    assert (nxt.cursor, nxt.budgets.proposals) == (1, 1)
+    assert [e.kind for e in nxt.events] == ["gate_rejected"]
+    assert effects == (
+        Say("gate rejected write_file ../x: refused"),
+        Persist(nxt),
+        Say("run r-1 failed: the agent's last write was refused (path-dotdot)"),
+    )
+    validate_state(nxt)
+    # A budget rule wins: the run is out of budget, not refused.
+    budget = transition(s0, replace(event, rule="budget-steps"))[0]
+    assert (budget.stop_reason, budget.cursor) == ("budget_exhausted", 0)
+
+
 @pytest.mark.parametrize("via", [ProposalRejected, BudgetExhausted])
 def test_a_budget_rule_fails_the_run(via: type[ProposalRejected] | type[BudgetExhausted]) -> None:
     nxt, effects = transition(
@@ -291,15 +311,24 @@ def test_approval_expired_freezes_a_running_approved_intent() -> None:
         transition(plain, ApprovalExpired(60.0))
 
 
-def test_a_pending_rejected_at_execute_is_dropped_with_its_approval_sealed() -> None:
+def test_a_pending_rejected_at_execute_is_abandoned_and_the_run_goes_on() -> None:
     s, _, _ = approved()
     nxt, effects = transition(s, PendingRejectedAtExecute("path-symlink", "a.txt is a link", 40.0))
-    assert nxt.pending is None
-    assert nxt.phase == RUNNING
-    assert nxt.sealed[-1]["kind"] == "approval_abandoned"
-    assert nxt.sealed[-1]["evidence"] == s.pending.approval  # type: ignore[union-attr]
-    assert nxt.events[-1].data["stage"] == "execute"
-    assert kinds(effects) == ["Say", "Persist"]
+    assert (nxt.pending, nxt.phase, nxt.cursor, nxt.sealed) == (None, RUNNING, s.cursor, ())
+    assert nxt.events[-1].kind == "gate_rejected"
+    assert nxt.events[-1].data == {
+        "rule": "path-symlink",
+        "message": "a.txt is a link",
+        "action": "write_file a.txt",
+        "key": "k-1",
+        "at": "execute",
+    }
+    assert effects == (
+        Say("gate rejected pending write_file a.txt: a.txt is a link; abandoned"),
+        Persist(nxt),
+    )
+    validate_state(nxt)
+    # The budgets are never gated again at execute time: the intent was counted already.
     with pytest.raises(IllegalTransition, match="budgets"):
         transition(s, PendingRejectedAtExecute("budget-steps", "m", 40.0))
 
@@ -551,7 +580,8 @@ def verdict(
         0 if passed else 1,
         False,
         50.0,
-        {"isolation": "bwrap"},
+        {"network": "none"},
+        "bwrap",
     )
 
 
@@ -564,9 +594,37 @@ def test_a_passing_verifier_on_the_last_writes_head_is_done() -> None:
     assert nxt.verifier is not None
     assert (nxt.verifier.head, nxt.verifier.tree) == (r.commit, r.tree)
     assert nxt.events[-1].data["exit_code"] == 0
-    assert nxt.events[-1].data["isolation"] == "bwrap"
+    assert nxt.verifier.isolation == nxt.events[-1].data["isolation"] == "bwrap"
+    assert nxt.events[-1].data["network"] == "none"
     assert effects == (Persist(nxt), Say("verifier: 2 passed"))
     validate_state(nxt)
+
+
+def test_a_verifier_that_cannot_start_fails_the_run_with_every_required_test_an_error() -> None:
+    s0 = initial_state()
+    event = VerifierCannotStart(
+        BASE, BASE_TREE, CLEAN, "cannot start: no such file", ("t::a", "t::b"), 50.0,
+        {"network": "none", "unconfined_because": "no bwrap"}, "none",
+    )  # fmt: skip
+    nxt, effects = transition(s0, event)
+    assert (nxt.phase, nxt.stop_reason) == (FAILED, "verifier_cannot_start")
+    assert nxt.verifier is not None
+    assert not nxt.verifier.passed
+    assert nxt.verifier.outcomes == {"t::a": "error", "t::b": "error"}
+    data = nxt.events[-1].data
+    assert (data["exit_code"], data["timed_out"], data["isolation"]) == (None, False, "none")
+    assert data["unconfined_because"] == "no bwrap"
+    assert effects == (Persist(nxt), Say("verifier: cannot start: no such file"))
+    validate_state(nxt)
+    with pytest.raises(EnvironmentDrift, match="head-moved"):
+        transition(s0, replace(event, head=oid(5)))
+
+
+def test_extra_verifier_facts_never_override_the_verdict() -> None:
+    s0 = initial_state()
+    forged = replace(verdict(s0, False), extra={"passed": True, "isolation": "bwrap"})
+    data = transition(s0, forged)[0].events[-1].data
+    assert (data["passed"], data["isolation"]) == (False, "bwrap")
 
 
 def test_a_failing_verifier_fails_the_run() -> None:
@@ -679,7 +737,14 @@ settings.register_profile(
 )
 
 FROZEN_PHASES = (AWAITING_APPROVAL, NEEDS_REVIEW)
-PROPOSING = (Proposed, ProposalRejected, BudgetExhausted, Finished, VerifierResult)
+PROPOSING = (
+    Proposed,
+    ProposalRejected,
+    BudgetExhausted,
+    Finished,
+    VerifierResult,
+    VerifierCannotStart,
+)
 EXECUTING = (ExecuteDue, ApprovalExpired, PendingRejectedAtExecute)
 REFUSALS = (IllegalTransition, ApprovalRefused, EnvironmentDrift)
 
@@ -712,11 +777,17 @@ ARGS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "patch": _rare(),
         "foreign": _rare(),
     },
-    "reject": {"dt": dts, "budget": _rare(10), "via_budget_event": st.booleans()},
+    "reject": {
+        "dt": dts,
+        "budget": _rare(10),
+        "via_budget_event": st.booleans(),
+        "last": _rare(8),
+    },
     "finish": {
         "dt": dts,
         "passed": st.booleans(),
         "bound": st.sampled_from(["last", "stale", "tree"]),
+        "starts": st.sampled_from([True, True, True, False]),
     },
     "execute": {
         "dt": dts,
@@ -831,6 +902,31 @@ class RunMachine(RuleBasedStateMachine):
         assert pre.quarantined_keys == nxt.quarantined_keys[: len(pre.quarantined_keys)]
         assert pre.sealed == nxt.sealed[: len(pre.sealed)]
         assert nxt.trace_count == pre.trace_count + len(nxt.events)
+        self.check_ending(pre, event, nxt)
+
+    @staticmethod
+    def check_ending(pre: RunState, event: MachineEvent, nxt: RunState) -> None:
+        """The agent's last write refused ends the run failed at once (never verified);
+        a gate rejection at execute abandons the pending and never ends the run; a
+        verifier that cannot start fails it with every required test an error."""
+        if isinstance(event, ProposalRejected) and event.last:
+            budget = event.rule.startswith("budget-")
+            assert nxt.phase == FAILED
+            assert nxt.stop_reason == ("budget_exhausted" if budget else AGENT_WRITE_REFUSED)
+            assert nxt.verifier is None
+        if nxt.stop_reason == AGENT_WRITE_REFUSED:
+            assert nxt.verifier is None
+            assert isinstance(event, ProposalRejected) or nxt is pre
+        if isinstance(event, PendingRejectedAtExecute):
+            assert not event.rule.startswith("budget-")
+            assert (nxt.phase, nxt.pending, nxt.receipts) == (RUNNING, None, pre.receipts)
+            assert nxt.events[-1].data["at"] == "execute"
+        if isinstance(event, VerifierCannotStart):
+            assert (nxt.phase, nxt.stop_reason) == (FAILED, "verifier_cannot_start")
+            assert nxt.verifier is not None
+            assert set(nxt.verifier.outcomes.values()) <= {"error"}
+        if nxt.verifier is not None and nxt.verifier is not pre.verifier:
+            assert nxt.verifier.isolation == getattr(event, "isolation", None)
 
     def check_execute(self, pre: RunState, event: MachineEvent, effect: Execute) -> None:
         """No write without a persisted intent; frozen never executes, nor does an
@@ -916,12 +1012,15 @@ class RunMachine(RuleBasedStateMachine):
         pre = precondition_at(self.adapter, "inst-2" if foreign else INSTANCE)
         self.feed(Proposed(action, k, action.intent_digest(), "risk" if risky else None, pre, at))
 
-    def do_reject(self, dt: int, budget: bool, via_budget_event: bool) -> None:
+    def do_reject(self, dt: int, budget: bool, via_budget_event: bool, last: bool) -> None:
         rule_name = "budget-steps" if budget else "path-dotdot"
-        cls = BudgetExhausted if via_budget_event else ProposalRejected
-        self.feed(cls(rule_name, "refused", "write_file a.txt", self.tick(dt)))
+        at = self.tick(dt)
+        if via_budget_event:
+            self.feed(BudgetExhausted(rule_name, "refused", "write_file a.txt", at))
+        else:
+            self.feed(ProposalRejected(rule_name, "refused", "write_file a.txt", at, last))
 
-    def do_finish(self, dt: int, passed: bool, bound: str) -> None:
+    def do_finish(self, dt: int, passed: bool, bound: str, starts: bool = True) -> None:
         at = self.tick(dt)
         asked = self.feed(Finished(at))
         if asked is not None:
@@ -931,7 +1030,11 @@ class RunMachine(RuleBasedStateMachine):
             head = BASE if head != BASE else oid(9)
         elif bound == "tree":
             tree = oid(8)
-        self.feed(VerifierResult(passed, head, tree, CLEAN, "s", {}, 0, False, at))
+        if not starts:
+            self.feed(VerifierCannotStart(head, tree, CLEAN, "no such file", ("t::a",), at))
+            return
+        isolation = "bwrap" if passed else "none"
+        self.feed(VerifierResult(passed, head, tree, CLEAN, "s", {}, 0, False, at, {}, isolation))
 
     # -- execution and recovery --------------------------------------------------------
 
@@ -939,11 +1042,11 @@ class RunMachine(RuleBasedStateMachine):
         return grant_of(self.state.pending, self.expiry)
 
     def do_execute(self, dt: int, grant: str, crash: bool, lookup: bool = True) -> None:
-        """``execute_pending``: a risky intent's key is looked up first (a write found is
+        """``execute_pending``: the intent's key is looked up first (a write found is
         reconciled, not executed again), then the machine decides, then the adapter."""
         at = self.tick(dt)
         p = self.state.pending
-        found = self.adapter.index.get(p.key) if p is not None and p.risk else None
+        found = self.adapter.index.get(p.key) if p is not None else None
         if found is not None and lookup:
             self.feed(WriteReceipt(found, True, self.adapter.branch, at, self.grant()))
             return
@@ -988,8 +1091,18 @@ class RunMachine(RuleBasedStateMachine):
             self.adapter.commit(key, digest_, "write_file", None, at)
 
     def do_regate(self, dt: int, budget: bool) -> None:
+        """``execute_pending`` re-gates only a write not yet made (its key looked up first):
+        an abandoned pending never leaves a write behind unrecorded."""
+        at = self.tick(dt)
+        p = self.state.pending
+        if p is not None and p.key in self.adapter.index:
+            self.do_execute(0, "true", crash=False)
+            return
         rule_name = "budget-steps" if budget else "path-symlink"
-        self.feed(PendingRejectedAtExecute(rule_name, "refused at execute", self.tick(dt)))
+        if self.feed(PendingRejectedAtExecute(rule_name, "refused at execute", at)) is not None:
+            assert p is not None
+            assert p.key not in self.adapter.index
+            assert self.state.pending is None
 
     # -- humans ------------------------------------------------------------------------
 
@@ -1222,3 +1335,45 @@ def test_regression_a_write_found_after_an_expiry_freeze_is_refused_not_recorded
     assert (m.state.phase, m.state.stop_reason) == (AWAITING_APPROVAL, "approval_expired")
     assert m.recorded == []
     assert "k-1" in m.adapter.index
+
+
+def test_regression_a_refused_last_proposal_ends_the_run_before_any_verifier() -> None:
+    m = drive(
+        ("propose", PROPOSE),
+        ("execute", EXECUTE),
+        ("reject", {"dt": 1, "budget": False, "via_budget_event": False, "last": False}),
+        ("reject", {"dt": 1, "budget": False, "via_budget_event": False, "last": True}),
+        ("finish", FINISH),  # refused: the run has ended
+    )
+    assert (m.state.phase, m.state.stop_reason) == (FAILED, AGENT_WRITE_REFUSED)
+    assert m.state.verifier is None
+    assert m.state.cursor == 3
+    assert [e.kind for e in m.trace][-2:] == ["gate_rejected", "gate_rejected"]
+
+
+def test_regression_a_verifier_that_cannot_start_fails_and_a_stale_one_changes_nothing() -> None:
+    m = drive(
+        ("propose", PROPOSE),
+        ("execute", EXECUTE),
+        ("finish", {**FINISH, "bound": "stale", "starts": False}),  # refused: not the last HEAD
+        ("finish", {**FINISH, "starts": False}),
+    )
+    assert (m.state.phase, m.state.stop_reason) == (FAILED, "verifier_cannot_start")
+    assert m.state.verifier is not None
+    assert m.state.verifier.outcomes == {"t::a": "error"}
+
+
+def test_regression_a_pending_regated_at_execute_is_abandoned_and_never_written() -> None:
+    m = drive(
+        ("propose", RISKY),
+        ("approve", APPROVE),
+        ("regate", {"dt": 1, "budget": True}),  # refused: budgets are not gated again
+        ("regate", {"dt": 1, "budget": False}),
+        ("propose", PROPOSE),
+        ("execute", EXECUTE),
+        ("finish", FINISH),
+    )
+    assert m.state.phase == DONE
+    assert len(m.recorded) == 1
+    assert m.recorded[0] != "k-1"
+    assert "k-1" not in m.adapter.index

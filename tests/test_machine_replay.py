@@ -10,8 +10,10 @@ the runtime delegate to the machine with no change in behaviour.
 from __future__ import annotations
 
 import itertools
+import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import RISKY_SANDBOXES, SANDBOX_NAMES, SANDBOXES, Gitrun
@@ -20,12 +22,15 @@ from gitrun import service
 from gitrun.codec import decode, digest, encode
 from gitrun.errors import Exit
 from gitrun.machine import (
+    AGENT_WRITE_REFUSED,
     Finished,
     Grant,
     MachineEvent,
+    PendingRejectedAtExecute,
     Persist,
     ProposalRejected,
     Proposed,
+    VerifierCannotStart,
     VerifierResult,
     WriteReceipt,
     approval_in,
@@ -50,8 +55,11 @@ def event_for(prev: RunState, nxt: RunState) -> MachineEvent:
         p = nxt.pending
         assert p is not None
         return Proposed(p.action, d["key"], d["digest"], d["risk"], p.precondition, p.proposed_at)
+    if ev.kind == "gate_rejected" and d.get("at") == "execute":
+        return PendingRejectedAtExecute(d["rule"], d["message"], ev.at)
     if ev.kind == "gate_rejected":
-        return ProposalRejected(d["rule"], d["message"], d["action"], ev.at)
+        last = nxt.stop_reason == AGENT_WRITE_REFUSED
+        return ProposalRejected(d["rule"], d["message"], d["action"], ev.at, last)
     if ev.kind == "receipt":
         r = decode(Receipt, d["receipt"])
         return WriteReceipt(r, d["replayed"], r.commit, ev.at, grant_in(prev))
@@ -62,12 +70,22 @@ def event_for(prev: RunState, nxt: RunState) -> MachineEvent:
             prev, p.approval, d["signer"], nxt.used_nonces[-1], d["expires_at"], ev.at
         )
     if ev.kind == "verifier":
-        return VerifierResult(
-            d["passed"], d["head"], d["tree"], nxt.env.status_digest, d["summary"],
-            d["outcomes"], d["exit_code"], d["timed_out"], d["at"],
-            {k: v for k, v in d.items() if k not in (*encode(nxt.verifier), *RESULT)},
-        )  # fmt: skip
+        return verdict_for(nxt, d)
     raise AssertionError(f"no replay for trace event {ev.kind}")
+
+
+def verdict_for(nxt: RunState, d: dict[str, Any]) -> VerifierResult | VerifierCannotStart:
+    """The verifier's event: a verdict, or a command that could not start."""
+    extra = {k: v for k, v in d.items() if k not in (*encode(nxt.verifier), *RESULT)}
+    if nxt.stop_reason == "verifier_cannot_start":
+        return VerifierCannotStart(
+            d["head"], d["tree"], nxt.env.status_digest, d["summary"],
+            tuple(d["outcomes"]), d["at"], extra, d["isolation"],
+        )  # fmt: skip
+    return VerifierResult(
+        d["passed"], d["head"], d["tree"], nxt.env.status_digest, d["summary"],
+        d["outcomes"], d["exit_code"], d["timed_out"], d["at"], extra, d["isolation"],
+    )  # fmt: skip
 
 
 def grant_in(state: RunState) -> Grant | None:
@@ -95,7 +113,7 @@ def replay(home: Path) -> list[str]:
     for prev, nxt in itertools.pairwise(chain):
         settled = replace(prev, events=())
         event = event_for(prev, nxt)
-        if isinstance(event, VerifierResult):
+        if isinstance(event, VerifierResult | VerifierCannotStart):
             assert transition(settled, Finished(event.at))[0] is settled
         state, effects = transition(settled, event)
         assert Persist(state) in effects
@@ -138,3 +156,28 @@ def test_the_machine_reproduces_an_approved_runs_checkpoints(tmp_path: Path) -> 
     replayed = replay(home)
     assert "approval" in replayed
     assert replayed[-1] == "verifier"
+
+
+def test_the_machine_reproduces_a_refused_last_write_and_a_verifier_that_cannot_start(
+    tmp_path: Path,
+) -> None:
+    task = tmp_path / "task"
+    shutil.copytree(SANDBOXES / "fix-median", task)
+    with (task / "plan.toml").open("a") as plan:
+        plan.write('\n[[step]]\nkind = "write_file"\npath = "tests/x.py"\ncontent = "no\\n"\n')
+    refused = Gitrun(tmp_path / "refused")
+    assert refused("run", str(task), "--run-id", RUN).code == Exit.FAILED
+    assert replay(tmp_path / "refused")[-2:] == ["receipt", "gate_rejected"]
+    assert last_state(tmp_path / "refused").stop_reason == "agent_write_refused"
+
+    shutil.copytree(SANDBOXES / "fix-median", task, dirs_exist_ok=True)
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace('command = ["{python}"', 'command = ["/nonexistent"'))
+    nostart = Gitrun(tmp_path / "nostart")
+    assert nostart("run", str(task), "--run-id", RUN, "--isolation", "none").code == Exit.FAILED
+    assert replay(tmp_path / "nostart")[-1] == "verifier"
+    assert last_state(tmp_path / "nostart").stop_reason == "verifier_cannot_start"
+
+
+def last_state(home: Path) -> RunState:
+    return service.checkpoints(RUN, service.Options(Workspace(home)))[0].state
