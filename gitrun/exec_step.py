@@ -206,7 +206,7 @@ def _checked_tree(
         shown = ", ".join(discarded[:5]) + (" ..." if len(discarded) > 5 else "")
         raise ExecRefused(
             exc.rule,
-            f"{exc.message}; the worktree was put back to the precondition tree "
+            f"{exc.message.removeprefix(exc.rule + ': ')}; the worktree was put back to the precondition tree "
             f"(discarded: {shown or 'nothing'}); nothing was committed",
         ) from exc
     return oid

@@ -183,9 +183,13 @@ class Gate:
                 "budget-wall-time", f"{elapsed:.0f}s used of {limits.max_wall_seconds:.0f}s"
             )
 
-    def check_path(self, path: str, tree: pygit2.Tree, *, on_disk: bool = True) -> None:
+    def check_path(
+        self, path: str, tree: pygit2.Tree, *, on_disk: bool = True, link_ok: bool = False
+    ) -> None:
+        """Every path rule; ``link_ok``: ``path`` itself may be a symlink (only its parents
+        may not), as a symlink an exec step made is checked by its own rules."""
         parts = path.split("/")
-        for i in range(1, len(parts) + 1):
+        for i in range(1, len(parts) + (0 if link_ok else 1)):
             prefix = "/".join(parts[:i])
             if trees.entry_mode(tree, prefix) == trees.LINK:
                 raise GateRejected("path-symlink", f"{path} goes through the symlink {prefix}")
@@ -317,7 +321,7 @@ class Gate:
                 raise GateRejected(
                     "exec-special-file", f"the command made {path}, neither file nor symlink"
                 )
-            self.check_path(path, new, on_disk=False)
+            self.check_path(path, new, on_disk=False, link_ok=found[0] == trees.LINK)
             if found[0] == trees.LINK:
                 obj = trees.entry(new, path)
                 self._check_link(

@@ -134,9 +134,10 @@ def _wait(
     interval: float,
 ) -> bool:
     """Poll until the command exits (False) or its timeout passes (True)."""
-    faults.point("exec_running")
     beat = start + interval
+    faults.point("exec_running")  # then once per poll: <point>:<n> kills ~n*20 ms in
     while not child.exited():
+        faults.point("exec_running")
         now = time.monotonic()
         if now - start >= timeout:
             return True
