@@ -176,7 +176,7 @@ class Baseline:
     seconds: float  # wall time of the uninterrupted run, under this machine's load
     execs: int = 0  # how many of the writes are exec steps (no file sync; a command runs)
 
-    def passes(self, point: str) -> int:
+    def passes(self, point: str) -> int:  # noqa: PLR0911 - one return per kind of point
         """How often an uninterrupted run reaches ``point`` (the step protocol, DESIGN.md §3)."""
         if point.startswith("setup_"):
             return 1  # once per run, before its first checkpoint
