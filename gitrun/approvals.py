@@ -250,7 +250,9 @@ class Approvals:
             receipt = rt.env.lookup(key)
         except ReceiptDrift as exc:
             raise ApprovalRefused("receipt-changed", f"the receipt of {key} moved: {exc}") from exc
-        if receipt is None or receipt.fingerprint() != fingerprint:
+        # An interrupted exec's case has no receipt: there must still be none.
+        reread = receipt.fingerprint() if receipt is not None else ""
+        if reread != fingerprint:
             raise ApprovalRefused(
                 "receipt-changed", f"the receipt for {key} changed after the decision was signed"
             )
@@ -264,4 +266,4 @@ class Approvals:
             raise ApprovalRefused(
                 "environment-changed", f"uncommitted changes: {list(obs.dirty[:5])}"
             )
-        return receipt.fingerprint(), head
+        return reread, head

@@ -24,10 +24,12 @@ from gitrun.approvals import Approvals, clear_inbox
 from gitrun.checkpoint import CheckpointStore
 from gitrun.environment import Approval, Environment, Observation
 from gitrun.errors import EnvironmentDrift, Frozen, GateRejected, GitrunError, ReceiptConflict
+from gitrun.exec_step import ExecContext, ExecRefused
 from gitrun.gate import Gate
 from gitrun.lease import LeaseManager
 from gitrun.records import (
     AWAITING_APPROVAL,
+    EXEC,
     NEEDS_REVIEW,
     RUNNING,
     Budgets,
@@ -39,6 +41,7 @@ from gitrun.records import (
     new_key,
 )
 from gitrun.sandbox import CommandCannotStart, Confinement
+from gitrun.shell import Hidden
 from gitrun.task import Task
 from gitrun.verifier import Secrets, VerifierResult, verify_tree
 
@@ -189,14 +192,29 @@ class Runtime:
         """Execute: one write with the intent's key under the lease, then its receipt."""
         p, grant = effect.pending, effect.grant
         approval = None if grant is None else Approval(grant.fingerprint, grant.expires_at)
+        shell = self.exec_context() if p.action.kind == EXEC else None
         try:
             outcome = self.env.execute(
-                p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval
-            )
+                p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval,
+                shell=shell,
+            )  # fmt: skip
         except ReceiptConflict as conflict:
             self.conflict(conflict.receipt)
             return
+        except ExecRefused as exc:  # the command's change broke a rule; the worktree is back
+            self.apply(m.PendingRejectedAtExecute(exc.rule, exc.message, time.time()))
+            return
         self.accept(outcome.receipt, replayed=outcome.replayed, grant=grant)
+
+    def exec_context(self) -> ExecContext:
+        """How an exec step runs: confined as the verifier is, the lease kept renewed."""
+        hide = self._secrets()
+        return ExecContext(
+            self.gate,
+            self._confinement(),
+            Hidden(hide.dirs, hide.files),
+            heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
+        )
 
     def accept(self, receipt: Receipt, replayed: bool, grant: m.Grant | None = None) -> None:
         """Record a receipt, unless it cannot be reconciled without a human."""
