@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pygit2
 
-from gitrun import faults, gitstore, safefs, trees
+from gitrun import faults, gitstore, safefs, trailer, trees
 from gitrun.codec import digest
 from gitrun.errors import (
     EnvironmentDrift,
@@ -44,16 +44,7 @@ from gitrun.worktree import INDEX_BASE_FILE, WorktreeFiles
 INSTANCE_FILE = "gitrun-instance.json"
 AUTHOR = ("gitrun", "gitrun@localhost")
 
-TRAILERS = (
-    "Gitrun-Run",
-    "Gitrun-Task",
-    "Gitrun-Action",
-    "Gitrun-Idempotency-Key",
-    "Gitrun-Intent-Digest",
-    "Gitrun-Instance",
-    "Gitrun-Lease",
-    "Gitrun-Approval",
-)
+TRAILERS = trailer.WRITE  # a write commit's trailers, in order (gitrun.trailer)
 
 
 @dataclass(frozen=True)
@@ -300,8 +291,8 @@ class Environment(WorktreeFiles):
 
     def _check_fence(self, head: pygit2.Commit, fence: Fence, approval: Approval | None) -> None:
         trailers = head.message_trailers
-        if trailers.get("Gitrun-Run") == self.run_id:
-            highest = int(trailers.get("Gitrun-Lease", "0"))
+        if trailers.get(trailer.RUN) == self.run_id:
+            highest = trailer.lease_of(trailers)
             if fence.version < highest:
                 raise LeaseLost(
                     None,
@@ -387,24 +378,23 @@ class Environment(WorktreeFiles):
     ) -> pygit2.Oid:
         body = " ".join(action.description.split()) or action.summary()
         shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-        lines = [
-            f"gitrun: {action.kind} {shown}",
-            "",
-            body.replace("---", "- - -"),
-            "",
-            f"Gitrun-Run: {self.run_id}",
-            f"Gitrun-Task: {self.task_label}",
-            f"Gitrun-Action: {action.kind}",
-            f"Gitrun-Idempotency-Key: {key}",
-            f"Gitrun-Intent-Digest: {intent_digest}",
-            f"Gitrun-Instance: {pre.instance_id}",
-            f"Gitrun-Lease: {fence.version}",
-            f"Gitrun-Approval: {approval.fingerprint if approval else 'none'}",
-        ]
-        sig = pygit2.Signature(*AUTHOR, int(time.time()), 0)
-        oid: pygit2.Oid = self.repo.create_commit(
-            None, sig, sig, "\n".join(lines) + "\n", tree, [head.id]
+        values = (
+            self.run_id,
+            self.task_label,
+            action.kind,
+            key,
+            intent_digest,
+            pre.instance_id,
+            fence.version,
+            approval.fingerprint if approval else "none",
         )
+        message = trailer.write_message(
+            f"gitrun: {action.kind} {shown}",
+            body.replace("---", "- - -"),
+            zip(trailer.WRITE, values, strict=True),
+        )
+        sig = pygit2.Signature(*AUTHOR, int(time.time()), 0)
+        oid: pygit2.Oid = self.repo.create_commit(None, sig, sig, message, tree, [head.id])
         return oid
 
 
