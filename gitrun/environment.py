@@ -18,13 +18,16 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pygit2
 
 from gitrun import faults, gitstore, safefs, trailer, trees
 from gitrun.codec import digest
+from gitrun.env_records import CLEAN_STATUS as CLEAN_STATUS  # noqa: PLC0414 - re-export
+from gitrun.env_records import Approval as Approval  # noqa: PLC0414 - re-export for callers
+from gitrun.env_records import Observation as Observation  # noqa: PLC0414 - re-export
+from gitrun.env_records import Outcome as Outcome  # noqa: PLC0414 - re-export for callers
 from gitrun.errors import (
     EnvironmentDrift,
     GateRejected,
@@ -45,37 +48,6 @@ INSTANCE_FILE = "gitrun-instance.json"
 AUTHOR = ("gitrun", "gitrun@localhost")
 
 TRAILERS = trailer.WRITE  # a write commit's trailers, in order (gitrun.trailer)
-
-
-@dataclass(frozen=True)
-class Observation:
-    """The state fingerprint; ``status_digest`` is the digest of uncommitted changes."""
-
-    instance_id: str
-    head: str
-    tree: str
-    status_digest: str
-    dirty: tuple[str, ...]
-
-    def fingerprint(self) -> str:
-        return digest([self.instance_id, self.head, self.tree, self.status_digest])
-
-
-@dataclass(frozen=True)
-class Approval:
-    """What the adapter itself enforces of an approval: its fingerprint and expiry."""
-
-    fingerprint: str
-    expires_at: float
-
-
-@dataclass(frozen=True)
-class Outcome:
-    receipt: Receipt
-    replayed: bool
-
-
-CLEAN_STATUS = digest([])
 
 
 class Environment(WorktreeFiles):
@@ -240,11 +212,9 @@ class Environment(WorktreeFiles):
         """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5."""
         if action.intent_digest() != intent_digest:
             raise Refused(f"intent digest {intent_digest} does not match the action")
-        found = self.lookup(key, since=precondition.head)
-        if found is not None:
-            if found.intent_digest != intent_digest:
-                raise ReceiptConflict(found, intent_digest)
-            return Outcome(found, replayed=True)
+        replayed = self._replay(key, intent_digest, precondition)
+        if replayed is not None:
+            return replayed
         head = self.head()
         self._check_precondition(head, precondition)
         self._check_fence(head, fence, approval)
@@ -263,6 +233,28 @@ class Environment(WorktreeFiles):
             sorted(changes),
         )
         faults.point("after_write_commit_object")
+        return self._commit_point(oid, head, changes, fence, approval)
+
+    def _replay(self, key: str, intent_digest: str, pre: Precondition) -> Outcome | None:
+        """The receipt ``key`` already has (the write happened: replay it), or None; a
+        receipt for another intent under the same key is a conflict."""
+        found = self.lookup(key, since=pre.head)
+        if found is None:
+            return None
+        if found.intent_digest != intent_digest:
+            raise ReceiptConflict(found, intent_digest)
+        return Outcome(found, replayed=True)
+
+    def _commit_point(
+        self,
+        oid: pygit2.Oid,
+        head: pygit2.Commit,
+        changes: dict[str, trees.Change],
+        fence: Fence,
+        approval: Approval | None,
+    ) -> Outcome:
+        """Append the write commit to the receipt log (the branch move: the commit point),
+        then bring the files on disk to the new tree."""
         expiry = [gitstore.Guard(self.branch, _expiry_check(approval))] if approval else []
         appended = self.receipt_log.append(oid, str(head.id), fence, guards=expiry)
         if appended.replayed:

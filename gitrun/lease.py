@@ -245,22 +245,8 @@ class LeaseManager:
                 f"{self.run_id} in another live process; pick another --worker-id",
             )
         current, oid = read_lease(self.repo, self.run_id)
-        now = time.time()
         if current is not None and current.owner_worker != self.worker:
-            taking_over = (
-                current.expires_at <= now
-                or (takeover_after is not None and now - current.renewed_at >= takeover_after)
-                or not owner_alive(self.repo, self.run_id, current.owner_worker)
-            )
-            if not taking_over:
-                self._drop_owner_lock()
-                raise LeaseHeld(
-                    current.owner_worker,
-                    current.expires_at,
-                    f"another worker owns run {self.run_id}: {current.owner_worker} until "
-                    f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left); "
-                    "retry later or pass --takeover-after",
-                )
+            self._refuse_unless_takeable(current, takeover_after)
         try:
             # Free for us: re-read under the lease's OS lock, so a worker stopped while
             # holding it (in a write, or setting up) is named now, before we write.
@@ -270,6 +256,25 @@ class LeaseManager:
             self._drop_owner_lock()
             raise
         return current, oid
+
+    def _refuse_unless_takeable(self, current: Lease, takeover_after: float | None) -> None:
+        """Raise :class:`LeaseHeld` (dropping our owner lock) unless another worker's lease
+        may be taken over: expired, not renewed for ``takeover_after``, or its owner dead."""
+        now = time.time()
+        taking_over = (
+            current.expires_at <= now
+            or (takeover_after is not None and now - current.renewed_at >= takeover_after)
+            or not owner_alive(self.repo, self.run_id, current.owner_worker)
+        )
+        if not taking_over:
+            self._drop_owner_lock()
+            raise LeaseHeld(
+                current.owner_worker,
+                current.expires_at,
+                f"another worker owns run {self.run_id}: {current.owner_worker} until "
+                f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left); "
+                "retry later or pass --takeover-after",
+            )
 
     def renew(self, state_version: int | None = None) -> Lease:
         """Extend our lease by compare-and-swap; LeaseLost if it is no longer ours."""
