@@ -18,7 +18,7 @@ from typing import Any
 from gitrun.codec import digest, encode
 from gitrun.errors import TaskError
 from gitrun.records import ACTION_KINDS
-from gitrun.verifier import VerifierSpec
+from gitrun.verifier_spec import VerifierSpec
 
 TASK_FILE = "task.toml"
 ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")

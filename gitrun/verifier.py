@@ -20,7 +20,6 @@ writing is disabled.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
@@ -46,114 +45,15 @@ from gitrun.junit import (
 from gitrun.junit import SKIPPED as SKIPPED  # noqa: PLC0414 - re-export, like its siblings
 from gitrun.materialise import materialise, scratch
 from gitrun.sandbox import UNCONFINED, CommandCannotStart, Confinement, Layout, SandboxFailed
+from gitrun.verifier_spec import VerifierResult as VerifierResult  # noqa: PLC0414 - re-export
+from gitrun.verifier_spec import VerifierSpec as VerifierSpec  # noqa: PLC0414 - re-export
+from gitrun.verifier_spec import positive_number
 
 _SCRUBBED_PREFIX = "GITRUN_"  # no variable of gitrun's (home, key file, fault injection)
-_SPEC_FIELDS = frozenset({"command", "junit", "fail_to_pass", "pass_to_pass", "timeout_seconds"})
-_OPTIONAL_SPEC_FIELDS = frozenset({"isolation"})
 _POLL_SECONDS = 0.05
 _TAIL_LINES = 40
 _TAIL_BYTES = 16 * 1024
 _LISTED_IDS = 3
-
-
-@dataclass(frozen=True)
-class VerifierSpec:
-    """How to verify a task: the test command and the tests that must pass."""
-
-    command: tuple[str, ...]
-    junit: bool
-    fail_to_pass: tuple[str, ...]
-    pass_to_pass: tuple[str, ...]
-    timeout_seconds: float
-    isolation: str = sandbox.AUTO  # the task's setting; a command-line --isolation overrides it
-
-    def __post_init__(self) -> None:
-        for name in ("command", "fail_to_pass", "pass_to_pass"):
-            object.__setattr__(self, name, _str_tuple(name, getattr(self, name)))
-        if not self.command:
-            raise BadInput("verifier command is empty")
-        if not isinstance(self.junit, bool):
-            raise BadInput("verifier junit must be true or false")
-        if not _positive_number(self.timeout_seconds):
-            raise BadInput(
-                f"verifier timeout_seconds must be positive, not {self.timeout_seconds!r}"
-            )
-        if self.junit and not self.required:
-            raise BadInput("a JUnit verifier needs at least one FAIL_TO_PASS or PASS_TO_PASS id")
-        sandbox.check_setting(self.isolation, "verifier isolation")
-
-    @property
-    def required(self) -> tuple[str, ...]:
-        """Every FAIL_TO_PASS and PASS_TO_PASS id once, in spec order."""
-        return tuple(dict.fromkeys(self.fail_to_pass + self.pass_to_pass))
-
-    def to_json(self) -> dict[str, object]:
-        """The canonical JSON form (lists, not tuples).
-
-        ``isolation`` appears only when it is not the default, so the scenario fingerprint
-        of every task that does not set it is what it was before the setting existed.
-        """
-        out: dict[str, object] = {
-            "command": list(self.command),
-            "junit": self.junit,
-            "fail_to_pass": list(self.fail_to_pass),
-            "pass_to_pass": list(self.pass_to_pass),
-            "timeout_seconds": float(self.timeout_seconds),
-        }
-        if self.isolation != sandbox.AUTO:
-            out["isolation"] = self.isolation
-        return out
-
-    @classmethod
-    def from_json(cls, data: object) -> VerifierSpec:
-        """Decode :meth:`to_json` output strictly: unknown or missing fields are refused."""
-        if not isinstance(data, Mapping):
-            raise BadInput("verifier spec must be a JSON object")
-        unknown = set(data) - _SPEC_FIELDS - _OPTIONAL_SPEC_FIELDS
-        missing = _SPEC_FIELDS - set(data)
-        if unknown or missing:
-            raise BadInput(f"verifier spec: unknown {sorted(unknown)}, missing {sorted(missing)}")
-        junit, timeout = data["junit"], data["timeout_seconds"]
-        isolation = data.get("isolation", sandbox.AUTO)
-        if not isinstance(isolation, str):
-            raise BadInput(f"verifier isolation must be a string, not {isolation!r}")
-        if not isinstance(junit, bool):
-            raise BadInput("verifier junit must be true or false")
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise BadInput(f"verifier timeout_seconds must be a number, not {timeout!r}")
-        return cls(
-            command=_str_tuple("command", data["command"]),
-            junit=junit,
-            fail_to_pass=_str_tuple("fail_to_pass", data["fail_to_pass"]),
-            pass_to_pass=_str_tuple("pass_to_pass", data["pass_to_pass"]),
-            timeout_seconds=float(timeout),
-            isolation=isolation,
-        )
-
-
-@dataclass(frozen=True)
-class VerifierResult:
-    """What one verifier run found; ``outcomes`` covers only the required ids."""
-
-    passed: bool
-    outcomes: dict[str, str]
-    exit_code: int | None
-    timed_out: bool
-    duration_seconds: float
-    summary: str
-    output_tail: str
-
-    def to_json(self) -> dict[str, object]:
-        """The canonical JSON form."""
-        return {
-            "passed": self.passed,
-            "outcomes": dict(self.outcomes),
-            "exit_code": self.exit_code,
-            "timed_out": self.timed_out,
-            "duration_seconds": round(self.duration_seconds, 3),
-            "summary": self.summary,
-            "output_tail": self.output_tail,
-        }
 
 
 @dataclass(frozen=True)
@@ -237,7 +137,7 @@ def run_verifier(
     """
     if not workdir.is_dir():
         raise BadInput(f"verifier workdir {workdir} is not a directory")
-    if not _positive_number(heartbeat_interval):
+    if not positive_number(heartbeat_interval):
         raise BadInput(f"heartbeat_interval must be positive, not {heartbeat_interval!r}")
     ticker = _Ticker(heartbeat, progress, heartbeat_interval)
     hide = secrets or Secrets()
@@ -396,18 +296,3 @@ def _listing(nodes: list[str], outcomes: Mapping[str, str]) -> str:
     shown = [n if outcomes[n] == FAILED else f"{n} ({outcomes[n]})" for n in nodes[:_LISTED_IDS]]
     more = len(nodes) - _LISTED_IDS
     return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "")
-
-
-def _positive_number(value: object) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return math.isfinite(value) and value > 0
-
-
-def _str_tuple(name: str, value: object) -> tuple[str, ...]:
-    if not isinstance(value, list | tuple):
-        raise BadInput(f"verifier {name} must be a list of strings")
-    items = tuple(value)
-    if not all(isinstance(item, str) and item for item in items):
-        raise BadInput(f"verifier {name} must hold only non-empty strings")
-    return items
