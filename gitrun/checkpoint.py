@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pygit2
 
-from gitrun import gitstore
+from gitrun import gitstore, trailer
 from gitrun.codec import DecodeError, canonical_bytes, decode, encode
 from gitrun.errors import CasFailed, CheckpointRejected, GitrunError, InvalidState
 from gitrun.keys import Keyring
@@ -67,10 +67,7 @@ def _signed_bytes(ref: str, parent: str, payload: bytes) -> bytes:
 
 def _message(state: RunState, payload: bytes, key_id: str, mac: str) -> bytes:
     subject = f"gitrun checkpoint g={state.generation} {state.phase} run={state.run_id}"
-    trailers = (
-        f"Gitrun-Checkpoint: {state.generation}\nGitrun-Key-Id: {key_id}\n"
-        f"Gitrun-Signature: hmac-sha256:{mac}\n"
-    )
+    trailers = trailer.checkpoint_block(state.generation, key_id, mac)
     return subject.encode() + b"\n\n" + payload + b"\n\n" + trailers.encode()
 
 
@@ -233,15 +230,15 @@ class CheckpointStore:
         commit = self._commit(oid)
         raw = commit.raw_message
         subject, payload, trailers = _split(raw, oid)
-        key_id = trailers.get("Gitrun-Key-Id", "")
-        signature = trailers.get("Gitrun-Signature", "")
-        if not signature.startswith("hmac-sha256:"):
+        key_id = trailers.get(trailer.KEY_ID, "")
+        signature = trailers.get(trailer.SIGNATURE, "")
+        if not signature.startswith(trailer.HMAC_PREFIX):
             raise CheckpointRejected(
                 "bad-signature", f"checkpoint {oid} has no HMAC-SHA256 signature"
             )
         parent = str(commit.parent_ids[0]) if commit.parent_ids else ""
         verdict = self.keyring.verify(
-            key_id, _signed_bytes(ref, parent, payload), signature.removeprefix("hmac-sha256:")
+            key_id, _signed_bytes(ref, parent, payload), signature.removeprefix(trailer.HMAC_PREFIX)
         )
         if verdict is None:
             raise CheckpointRejected(
@@ -258,7 +255,7 @@ class CheckpointStore:
             )
         # The HMAC covers the payload; the subject and trailers around it (what `git log`
         # shows) must be exactly what that payload produces, and the tree the empty tree.
-        mac = signature.removeprefix("hmac-sha256:")
+        mac = signature.removeprefix(trailer.HMAC_PREFIX)
         if raw != _message(state, payload, key_id, mac) or commit.tree_id != EMPTY_TREE:
             raise CheckpointRejected(
                 "corrupt", f"checkpoint {oid}: subject, trailers or tree are not what it signed"
@@ -298,14 +295,12 @@ def _split(raw: bytes, oid: pygit2.Oid) -> tuple[bytes, bytes, dict[str, str]]:
     parts = raw.split(b"\n\n")
     if len(parts) != 3 or not parts[2].endswith(b"\n"):
         raise CheckpointRejected("corrupt", f"checkpoint {oid} is not in the checkpoint format")
-    trailers: dict[str, str] = {}
-    for line in parts[2].decode("utf-8", "replace").splitlines():
-        key, sep, value = line.partition(": ")
-        if not sep:
-            raise CheckpointRejected(
-                "corrupt", f"checkpoint {oid} has a malformed trailer {line!r}"
-            )
-        trailers[key] = value
+    try:
+        trailers = trailer.parse_block(parts[2].decode("utf-8", "replace"))
+    except trailer.MalformedTrailer as exc:
+        raise CheckpointRejected(
+            "corrupt", f"checkpoint {oid} has a malformed trailer {exc.line!r}"
+        ) from None
     return parts[0], parts[1], trailers
 
 
@@ -330,7 +325,7 @@ def _decode_state(payload: bytes, oid: pygit2.Oid) -> RunState:
 def _check_chain(
     state: RunState, trailers: dict[str, str], commit: pygit2.Commit, ref: str
 ) -> None:
-    if trailers.get("Gitrun-Checkpoint") != str(state.generation):
+    if trailers.get(trailer.CHECKPOINT) != str(state.generation):
         raise CheckpointRejected("corrupt", "generation trailer and payload disagree")
     if not ref.startswith(f"refs/gitrun/runs/{state.run_id}/checkpoints/{state.task_id}/"):
         raise CheckpointRejected("wrong-run", f"checkpoint of run {state.run_id} found on {ref}")
@@ -339,7 +334,7 @@ def _check_chain(
     parents = commit.parents
     expected_parent_gen = str(state.generation - 1)
     if parents:
-        parent_gen = parents[0].message_trailers.get("Gitrun-Checkpoint")
+        parent_gen = parents[0].message_trailers.get(trailer.CHECKPOINT)
         if parent_gen != expected_parent_gen:
             raise CheckpointRejected(
                 "generation-gap", f"generation {state.generation} follows {parent_gen}"

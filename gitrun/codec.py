@@ -102,7 +102,7 @@ def _decode_dataclass(cls: type, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
-def _decode(tp: Any, data: Any, path: str) -> Any:  # noqa: PLR0911, PLR0912 - one branch per type form
+def _decode(tp: Any, data: Any, path: str) -> Any:
     if tp is Any:
         try:
             canonical_bytes(data)  # must at least be JSON (no NaN/Infinity, no foreign types)
@@ -113,18 +113,7 @@ def _decode(tp: Any, data: Any, path: str) -> Any:  # noqa: PLR0911, PLR0912 - o
         return _decode_dataclass(tp, data, path)
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if data is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _decode(arg, data, path)
-            except DecodeError as exc:
-                errors.append(str(exc))
-        raise DecodeError(path, "; ".join(errors) or "no alternative matched")
+        return _decode_union(tp, data, path)
     if origin is tuple:
         args = get_args(tp)
         if not isinstance(data, list):
@@ -135,6 +124,28 @@ def _decode(tp: Any, data: Any, path: str) -> Any:  # noqa: PLR0911, PLR0912 - o
         if not isinstance(data, dict):
             raise DecodeError(path, "expected an object")
         return {k: _decode(val_tp, v, f"{path}.{k}") for k, v in data.items()}
+    return _decode_scalar(tp, data, path)
+
+
+def _decode_union(tp: Any, data: Any, path: str) -> Any:
+    """An optional or a union: None where allowed, else the first alternative that
+    decodes (every alternative's complaint is reported when none does)."""
+    args = get_args(tp)
+    if data is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _decode(arg, data, path)
+        except DecodeError as exc:
+            errors.append(str(exc))
+    raise DecodeError(path, "; ".join(errors) or "no alternative matched")
+
+
+def _decode_scalar(tp: Any, data: Any, path: str) -> Any:
+    """A bool, int, float or str, strictly: a bool is no number, a float must be finite."""
     if tp is bool:
         if not isinstance(data, bool):
             raise DecodeError(path, "expected true or false")

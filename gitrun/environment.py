@@ -16,15 +16,18 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pygit2
 
-from gitrun import faults, gitstore, safefs, trees
+from gitrun import faults, gitstore, safefs, trailer, trees
 from gitrun.atomicfile import atomic_write
 from gitrun.codec import digest
+from gitrun.env_records import CLEAN_STATUS as CLEAN_STATUS  # noqa: PLC0414 - re-export
+from gitrun.env_records import Approval as Approval  # noqa: PLC0414 - re-export for callers
+from gitrun.env_records import Observation as Observation  # noqa: PLC0414 - re-export
+from gitrun.env_records import Outcome as Outcome  # noqa: PLC0414 - re-export for callers
 from gitrun.errors import (
     EnvironmentDrift,
     GateRejected,
@@ -47,47 +50,7 @@ if TYPE_CHECKING:
 INSTANCE_FILE = "gitrun-instance.json"
 AUTHOR = ("gitrun", "gitrun@localhost")
 
-TRAILERS = (
-    "Gitrun-Run",
-    "Gitrun-Task",
-    "Gitrun-Action",
-    "Gitrun-Idempotency-Key",
-    "Gitrun-Intent-Digest",
-    "Gitrun-Instance",
-    "Gitrun-Lease",
-    "Gitrun-Approval",
-)
-
-
-@dataclass(frozen=True)
-class Observation:
-    """The state fingerprint; ``status_digest`` is the digest of uncommitted changes."""
-
-    instance_id: str
-    head: str
-    tree: str
-    status_digest: str
-    dirty: tuple[str, ...]
-
-    def fingerprint(self) -> str:
-        return digest([self.instance_id, self.head, self.tree, self.status_digest])
-
-
-@dataclass(frozen=True)
-class Approval:
-    """What the adapter itself enforces of an approval: its fingerprint and expiry."""
-
-    fingerprint: str
-    expires_at: float
-
-
-@dataclass(frozen=True)
-class Outcome:
-    receipt: Receipt
-    replayed: bool
-
-
-CLEAN_STATUS = digest([])
+TRAILERS = trailer.WRITE  # a write commit's trailers, in order (gitrun.trailer)
 
 
 class Environment(WorktreeFiles):
@@ -263,11 +226,9 @@ class Environment(WorktreeFiles):
             )
         if action.intent_digest() != intent_digest:
             raise Refused(f"intent digest {intent_digest} does not match the action")
-        found = self.lookup(key, since=precondition.head)
-        if found is not None:
-            if found.intent_digest != intent_digest:
-                raise ReceiptConflict(found, intent_digest)
-            return Outcome(found, replayed=True)
+        replayed = self._replay(key, intent_digest, precondition)
+        if replayed is not None:
+            return replayed
         head = self.head()
         self._check_precondition(head, precondition)
         self._check_fence(head, fence, approval)
@@ -286,6 +247,28 @@ class Environment(WorktreeFiles):
             sorted(changes),
         )
         faults.point("after_write_commit_object")
+        return self._commit_point(oid, head, changes, fence, approval)
+
+    def _replay(self, key: str, intent_digest: str, pre: Precondition) -> Outcome | None:
+        """The receipt ``key`` already has (the write happened: replay it), or None; a
+        receipt for another intent under the same key is a conflict."""
+        found = self.lookup(key, since=pre.head)
+        if found is None:
+            return None
+        if found.intent_digest != intent_digest:
+            raise ReceiptConflict(found, intent_digest)
+        return Outcome(found, replayed=True)
+
+    def _commit_point(
+        self,
+        oid: pygit2.Oid,
+        head: pygit2.Commit,
+        changes: dict[str, trees.Change],
+        fence: Fence,
+        approval: Approval | None,
+    ) -> Outcome:
+        """Append the write commit to the receipt log (the branch move: the commit point),
+        then bring the files on disk to the new tree."""
         expiry = [gitstore.Guard(self.branch, _expiry_check(approval))] if approval else []
         appended = self.receipt_log.append(oid, str(head.id), fence, guards=expiry)
         if appended.replayed:
@@ -314,8 +297,8 @@ class Environment(WorktreeFiles):
 
     def _check_fence(self, head: pygit2.Commit, fence: Fence, approval: Approval | None) -> None:
         trailers = head.message_trailers
-        if trailers.get("Gitrun-Run") == self.run_id:
-            highest = int(trailers.get("Gitrun-Lease", "0"))
+        if trailers.get(trailer.RUN) == self.run_id:
+            highest = trailer.lease_of(trailers)
             if fence.version < highest:
                 raise LeaseLost(
                     None,
@@ -403,25 +386,24 @@ class Environment(WorktreeFiles):
         """The write commit; ``extra`` trailer lines (an exec's) follow the usual ones."""
         body = " ".join(action.description.split()) or action.summary()
         shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-        lines = [
-            f"gitrun: {action.kind} {shown}",
-            "",
-            body.replace("---", "- - -"),
-            "",
-            f"Gitrun-Run: {self.run_id}",
-            f"Gitrun-Task: {self.task_label}",
-            f"Gitrun-Action: {action.kind}",
-            f"Gitrun-Idempotency-Key: {key}",
-            f"Gitrun-Intent-Digest: {intent_digest}",
-            f"Gitrun-Instance: {pre.instance_id}",
-            f"Gitrun-Lease: {fence.version}",
-            f"Gitrun-Approval: {approval.fingerprint if approval else 'none'}",
-            *extra,
-        ]
-        sig = pygit2.Signature(*AUTHOR, int(time.time()), 0)
-        oid: pygit2.Oid = self.repo.create_commit(
-            None, sig, sig, "\n".join(lines) + "\n", tree, [head.id]
+        values = (
+            self.run_id,
+            self.task_label,
+            action.kind,
+            key,
+            intent_digest,
+            pre.instance_id,
+            fence.version,
+            approval.fingerprint if approval else "none",
         )
+        more = [tuple(line.split(": ", 1)) for line in extra]  # e.g. an exec's exit code
+        message = trailer.write_message(
+            f"gitrun: {action.kind} {shown}",
+            body.replace("---", "- - -"),
+            [*zip(trailer.WRITE, values, strict=True), *((k, v) for k, v in more)],
+        )
+        sig = pygit2.Signature(*AUTHOR, int(time.time()), 0)
+        oid: pygit2.Oid = self.repo.create_commit(None, sig, sig, message, tree, [head.id])
         return oid
 
 

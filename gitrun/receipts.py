@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import pygit2
 
-from gitrun import gitstore, trees
+from gitrun import gitstore, trailer, trees
 from gitrun.contracts import Appended
 from gitrun.errors import EnvironmentDrift, ReceiptConflict, ReceiptDrift
 from gitrun.lease import Fence, fence_guard
@@ -55,15 +55,12 @@ class GitReceiptLog:
 
     def key_of(self, commit: pygit2.Commit) -> str | None:
         """The idempotency key of a write commit of this run (trailers only), else None."""
-        trailers = commit.message_trailers
-        if trailers.get("Gitrun-Run") != self.run_id:
-            return None
-        return trailers.get("Gitrun-Idempotency-Key")
+        return trailer.write_key(commit.message_trailers, self.run_id)
 
     def receipt_of(self, commit: pygit2.Commit) -> Receipt | None:
         """The receipt a gitrun write commit carries, or None for any other commit."""
         trailers = commit.message_trailers
-        if trailers.get("Gitrun-Run") != self.run_id or "Gitrun-Idempotency-Key" not in trailers:
+        if trailer.write_key(trailers, self.run_id) is None:
             return None
         if len(commit.parents) != 1:
             raise ReceiptDrift(
@@ -72,7 +69,7 @@ class GitReceiptLog:
         parent = commit.parents[0]
         paths = sorted(trees.changed_paths(parent.tree, commit.tree))
         try:
-            lease = int(trailers.get("Gitrun-Lease", "0"))
+            lease = trailer.lease_of(trailers)
         except ValueError as exc:
             raise ReceiptDrift("trailer", f"commit {commit.id} has a bad Gitrun-Lease") from exc
         exit_code, output = _exec_trailers(commit, trailers)
@@ -80,15 +77,15 @@ class GitReceiptLog:
             namespace=ADAPTER_NAMESPACE_PREFIX + self.branch,
             version=ADAPTER_VERSION,
             commit=str(commit.id),
-            key=trailers["Gitrun-Idempotency-Key"],
-            intent_digest=trailers.get("Gitrun-Intent-Digest", ""),
-            action=trailers.get("Gitrun-Action", ""),
+            key=trailers[trailer.IDEMPOTENCY_KEY],
+            intent_digest=trailers.get(trailer.INTENT_DIGEST, ""),
+            action=trailers.get(trailer.ACTION, ""),
             parent=str(parent.id),
             tree=str(commit.tree_id),
             run_id=self.run_id,
-            instance_id=trailers.get("Gitrun-Instance", ""),
+            instance_id=trailers.get(trailer.INSTANCE, ""),
             lease=lease,
-            approval=trailers.get("Gitrun-Approval", "none"),
+            approval=trailers.get(trailer.APPROVAL, "none"),
             committed_at=int(commit.commit_time),
             paths=tuple(paths),
             exit_code=exit_code,

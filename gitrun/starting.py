@@ -9,6 +9,7 @@ never re-created, whatever refs went missing since (resume refuses and deletes n
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -149,3 +150,30 @@ def check_unstarted(repo: pygit2.Repository, rec: RunRecord) -> None:
             "restore the checkpoint ref from a backup with `git update-ref`, or start over "
             "under another --run-id",
         )
+
+
+def discard_setup(repo: pygit2.Repository, rec: RunRecord) -> None:
+    """Undo a setup a crash interrupted before the first checkpoint (nothing was done)."""
+    wt_name = f"gitrun-{rec.run_id}"
+    if wt_name in repo.list_worktrees():
+        repo.lookup_worktree(wt_name).prune(True)
+    # add_worktree killed half-way leaves an admin dir libgit2 neither lists nor prunes,
+    # and then refuses to add the worktree again: it holds nothing of value yet.
+    shutil.rmtree(gitstore.common_dir(repo) / "worktrees" / wt_name, ignore_errors=True)
+    shutil.rmtree(rec.worktree, ignore_errors=True)
+    tip = gitstore.read_ref(repo, rec.branch)
+    if tip is not None:
+        gitstore.update_ref(repo, rec.branch, tip, None, message="gitrun: discard unstarted run")
+
+
+def clear_stale_locks(repo: pygit2.Repository, run_id: str) -> None:
+    """Remove the ``<ref>.lock`` files a killed gitrun writer left on this run's refs.
+
+    Only refs no later step of the run will lock need this (a discarded instance's
+    checkpoint ref; the lease of a finished run): every ref write clears its own.
+    """
+    cdir = gitstore.common_dir(repo)
+    folder = cdir / "refs" / "gitrun" / "runs" / run_id
+    for lock in sorted(folder.rglob("*.lock")) if folder.is_dir() else []:
+        with gitstore.os_locks(repo, [str(lock.relative_to(cdir))[: -len(".lock")]]):
+            pass  # holding the ref's OS lock removes its stale lock file

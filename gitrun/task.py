@@ -20,7 +20,7 @@ from gitrun.codec import digest, encode
 from gitrun.errors import TaskError
 from gitrun.exec_policy import ExecPolicy
 from gitrun.records import ACTION_KINDS, EXEC
-from gitrun.verifier import VerifierSpec
+from gitrun.verifier_spec import VerifierSpec
 
 TASK_FILE = "task.toml"
 ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")

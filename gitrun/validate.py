@@ -15,6 +15,7 @@ from gitrun.records import (
     PHASES,
     RUNNING,
     SCHEMA_VERSION,
+    Pending,
     RunState,
 )
 
@@ -23,7 +24,7 @@ def _bad(rule: str, message: str) -> InvalidState:
     return InvalidState(rule, message)
 
 
-def validate_state(state: RunState) -> bytes:  # noqa: PLR0912 - one line per invariant
+def validate_state(state: RunState) -> bytes:
     """Raise :class:`InvalidState` naming the first invariant ``state`` breaks; return the
     canonical bytes of a valid state (the payload a checkpoint stores)."""
     if state.schema != SCHEMA_VERSION:
@@ -32,6 +33,24 @@ def validate_state(state: RunState) -> bytes:  # noqa: PLR0912 - one line per in
         raise _bad("generation", "generations start at 1")
     if state.phase not in PHASES:
         raise _bad("phase", f"unknown phase {state.phase!r}")
+    _check_phase(state)
+    if state.pending is not None:
+        _check_pending(state, state.pending)
+    _check_counts(state)
+    if state.phase == DONE:
+        ver = state.verifier
+        if ver is None or not ver.passed or ver.head != state.env.head:
+            raise _bad("done-verified", "done needs a passing verifier event at the last HEAD")
+    if state.env.observation_version != state.env.head:
+        raise _bad("observation", "observation version must be the HEAD commit")
+    try:
+        return canonical_bytes(encode(state))
+    except (TypeError, ValueError) as exc:
+        raise _bad("serialisable", str(exc)) from exc
+
+
+def _check_phase(state: RunState) -> None:
+    """The phase agrees with the pending action, the review case and the stop reason."""
     pending = state.pending
     if state.phase in (AWAITING_APPROVAL, NEEDS_REVIEW) and pending is None:
         raise _bad("phase-pending", f"phase {state.phase} needs a pending action")
@@ -43,18 +62,25 @@ def validate_state(state: RunState) -> bytes:  # noqa: PLR0912 - one line per in
         raise _bad("phase-risk", "awaiting approval, but the pending action carries no risk")
     if (state.phase == RUNNING) != (state.stop_reason is None):
         raise _bad("stop-reason", "a stop reason is set exactly when the run is not running")
-    if pending is not None:
-        if pending.intent_digest != pending.action.intent_digest():
-            raise _bad("pending-digest", "the pending intent digest does not match its action")
-        if pending.key in state.quarantined_keys:
-            raise _bad("pending-key", f"pending key {pending.key} is quarantined")
-        last = state.receipts.last
-        if last is not None and last.key == pending.key:
-            raise _bad("pending-key", f"pending key {pending.key} is already a recorded receipt")
-        if pending.action.kind not in state.scope.allowed_actions:
-            raise _bad("pending-scope", f"{pending.action.kind} is outside the allowed scope")
-        if pending.precondition.instance_id != state.env.instance_id:
-            raise _bad("pending-instance", "the pending precondition names another instance")
+
+
+def _check_pending(state: RunState, pending: Pending) -> None:
+    """The pending intent is its action's, under a fresh key, in scope, on this instance."""
+    if pending.intent_digest != pending.action.intent_digest():
+        raise _bad("pending-digest", "the pending intent digest does not match its action")
+    if pending.key in state.quarantined_keys:
+        raise _bad("pending-key", f"pending key {pending.key} is quarantined")
+    last = state.receipts.last
+    if last is not None and last.key == pending.key:
+        raise _bad("pending-key", f"pending key {pending.key} is already a recorded receipt")
+    if pending.action.kind not in state.scope.allowed_actions:
+        raise _bad("pending-scope", f"{pending.action.kind} is outside the allowed scope")
+    if pending.precondition.instance_id != state.env.instance_id:
+        raise _bad("pending-instance", "the pending precondition names another instance")
+
+
+def _check_counts(state: RunState) -> None:
+    """Receipts, the adapter generation, the budgets used and the nonces agree."""
     if state.receipts.count != state.env.adapter_generation:
         raise _bad("receipts", "receipt count and adapter generation disagree")
     if state.budgets.steps != state.receipts.count:
@@ -65,13 +91,3 @@ def validate_state(state: RunState) -> bytes:  # noqa: PLR0912 - one line per in
         raise _bad("receipts", "a receipt needs its commit id")
     if len(set(state.used_nonces)) != len(state.used_nonces):
         raise _bad("nonces", "a nonce is recorded twice")
-    if state.phase == DONE:
-        ver = state.verifier
-        if ver is None or not ver.passed or ver.head != state.env.head:
-            raise _bad("done-verified", "done needs a passing verifier event at the last HEAD")
-    if state.env.observation_version != state.env.head:
-        raise _bad("observation", "observation version must be the HEAD commit")
-    try:
-        return canonical_bytes(encode(state))
-    except (TypeError, ValueError) as exc:
-        raise _bad("serialisable", str(exc)) from exc

@@ -20,12 +20,10 @@ writing is disabled.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,127 +33,27 @@ import pygit2
 
 from gitrun import sandbox
 from gitrun.errors import BadInput
+from gitrun.junit import (
+    ERROR,
+    FAILED,
+    MISSING,
+    PASSED,
+    UnusableReport,
+    junit_key,
+    read_junit,
+)
+from gitrun.junit import SKIPPED as SKIPPED  # noqa: PLC0414 - re-export, like its siblings
 from gitrun.materialise import materialise, scratch
 from gitrun.sandbox import UNCONFINED, CommandCannotStart, Confinement, Layout, SandboxFailed
+from gitrun.verifier_spec import VerifierResult as VerifierResult  # noqa: PLC0414 - re-export
+from gitrun.verifier_spec import VerifierSpec as VerifierSpec  # noqa: PLC0414 - re-export
+from gitrun.verifier_spec import positive_number
 
-PASSED = "passed"
-FAILED = "failed"
-ERROR = "error"
-SKIPPED = "skipped"
-MISSING = "missing"
-
-MAX_REPORT_BYTES = 20 * 1024 * 1024
-"""A JUnit report larger than this is refused rather than parsed."""
-
-_RANK = {PASSED: 0, SKIPPED: 1, FAILED: 2, ERROR: 3}
-_CHILD_OUTCOME = {"failure": FAILED, "error": ERROR, "skipped": SKIPPED}
 _SCRUBBED_PREFIX = "GITRUN_"  # no variable of gitrun's (home, key file, fault injection)
-_SPEC_FIELDS = frozenset({"command", "junit", "fail_to_pass", "pass_to_pass", "timeout_seconds"})
-_OPTIONAL_SPEC_FIELDS = frozenset({"isolation"})
 _POLL_SECONDS = 0.05
 _TAIL_LINES = 40
 _TAIL_BYTES = 16 * 1024
 _LISTED_IDS = 3
-
-
-@dataclass(frozen=True)
-class VerifierSpec:
-    """How to verify a task: the test command and the tests that must pass."""
-
-    command: tuple[str, ...]
-    junit: bool
-    fail_to_pass: tuple[str, ...]
-    pass_to_pass: tuple[str, ...]
-    timeout_seconds: float
-    isolation: str = sandbox.AUTO  # the task's setting; a command-line --isolation overrides it
-
-    def __post_init__(self) -> None:
-        for name in ("command", "fail_to_pass", "pass_to_pass"):
-            object.__setattr__(self, name, _str_tuple(name, getattr(self, name)))
-        if not self.command:
-            raise BadInput("verifier command is empty")
-        if not isinstance(self.junit, bool):
-            raise BadInput("verifier junit must be true or false")
-        if not _positive_number(self.timeout_seconds):
-            raise BadInput(
-                f"verifier timeout_seconds must be positive, not {self.timeout_seconds!r}"
-            )
-        if self.junit and not self.required:
-            raise BadInput("a JUnit verifier needs at least one FAIL_TO_PASS or PASS_TO_PASS id")
-        sandbox.check_setting(self.isolation, "verifier isolation")
-
-    @property
-    def required(self) -> tuple[str, ...]:
-        """Every FAIL_TO_PASS and PASS_TO_PASS id once, in spec order."""
-        return tuple(dict.fromkeys(self.fail_to_pass + self.pass_to_pass))
-
-    def to_json(self) -> dict[str, object]:
-        """The canonical JSON form (lists, not tuples).
-
-        ``isolation`` appears only when it is not the default, so the scenario fingerprint
-        of every task that does not set it is what it was before the setting existed.
-        """
-        out: dict[str, object] = {
-            "command": list(self.command),
-            "junit": self.junit,
-            "fail_to_pass": list(self.fail_to_pass),
-            "pass_to_pass": list(self.pass_to_pass),
-            "timeout_seconds": float(self.timeout_seconds),
-        }
-        if self.isolation != sandbox.AUTO:
-            out["isolation"] = self.isolation
-        return out
-
-    @classmethod
-    def from_json(cls, data: object) -> VerifierSpec:
-        """Decode :meth:`to_json` output strictly: unknown or missing fields are refused."""
-        if not isinstance(data, Mapping):
-            raise BadInput("verifier spec must be a JSON object")
-        unknown = set(data) - _SPEC_FIELDS - _OPTIONAL_SPEC_FIELDS
-        missing = _SPEC_FIELDS - set(data)
-        if unknown or missing:
-            raise BadInput(f"verifier spec: unknown {sorted(unknown)}, missing {sorted(missing)}")
-        junit, timeout = data["junit"], data["timeout_seconds"]
-        isolation = data.get("isolation", sandbox.AUTO)
-        if not isinstance(isolation, str):
-            raise BadInput(f"verifier isolation must be a string, not {isolation!r}")
-        if not isinstance(junit, bool):
-            raise BadInput("verifier junit must be true or false")
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise BadInput(f"verifier timeout_seconds must be a number, not {timeout!r}")
-        return cls(
-            command=_str_tuple("command", data["command"]),
-            junit=junit,
-            fail_to_pass=_str_tuple("fail_to_pass", data["fail_to_pass"]),
-            pass_to_pass=_str_tuple("pass_to_pass", data["pass_to_pass"]),
-            timeout_seconds=float(timeout),
-            isolation=isolation,
-        )
-
-
-@dataclass(frozen=True)
-class VerifierResult:
-    """What one verifier run found; ``outcomes`` covers only the required ids."""
-
-    passed: bool
-    outcomes: dict[str, str]
-    exit_code: int | None
-    timed_out: bool
-    duration_seconds: float
-    summary: str
-    output_tail: str
-
-    def to_json(self) -> dict[str, object]:
-        """The canonical JSON form."""
-        return {
-            "passed": self.passed,
-            "outcomes": dict(self.outcomes),
-            "exit_code": self.exit_code,
-            "timed_out": self.timed_out,
-            "duration_seconds": round(self.duration_seconds, 3),
-            "summary": self.summary,
-            "output_tail": self.output_tail,
-        }
 
 
 @dataclass(frozen=True)
@@ -165,10 +63,6 @@ class _Run:
     duration_seconds: float
     started: bool = True
     cannot_start: str = ""  # why the command could not be executed
-
-
-class _UnusableReport(Exception):
-    """The JUnit report is absent, too large, malformed or refused."""
 
 
 class _Ticker:
@@ -243,31 +137,53 @@ def run_verifier(
     """
     if not workdir.is_dir():
         raise BadInput(f"verifier workdir {workdir} is not a directory")
-    if not _positive_number(heartbeat_interval):
+    if not positive_number(heartbeat_interval):
         raise BadInput(f"heartbeat_interval must be positive, not {heartbeat_interval!r}")
     ticker = _Ticker(heartbeat, progress, heartbeat_interval)
     hide = secrets or Secrets()
     workdir = workdir.resolve()
     with tempfile.TemporaryDirectory(prefix="gitrun-verifier-", ignore_cleanup_errors=True) as tmp:
         out = Path(tmp).resolve()
-        if out.is_relative_to(workdir):
-            raise BadInput(f"temporary directory {out} lies inside the worktree {workdir}")
         report = out / "junit.xml"
-        blank = out / "blank"
-        blank.touch(0o444)
-        layout = Layout.of([workdir, out], hide.dirs, hide.files, workdir, blank)
-        with (out / "output.log").open("w+b") as log:
-            child = sandbox.spawn(
-                _argv(spec, report), cwd=workdir, env=_child_env(confinement, hide.files),
-                log=log, confinement=confinement, layout=layout,
-            )  # fmt: skip
-            run = _supervise(child, spec.timeout_seconds, ticker)
-            tail = _tail(log)
+        run, tail = _run_command(spec, workdir, out, ticker, confinement, hide)
         _refuse_unstarted(spec, run, confinement, tail)
         outcomes, summary = _verdict(spec, run, report)
         if spec.junit and not report.exists() and tail.strip():
             # e.g. "No module named pytest": the one line that tells the user what to do
             summary += f" (the command said: {tail.strip().splitlines()[-1][:200]})"
+    return _result(spec, run, outcomes, summary, tail)
+
+
+def _run_command(
+    spec: VerifierSpec,
+    workdir: Path,
+    out: Path,
+    ticker: _Ticker,
+    confinement: Confinement,
+    hide: Secrets,
+) -> tuple[_Run, str]:
+    """Run the command under the supervisor, its report and log in ``out`` (outside the
+    tree it tests): how it ended and the tail of what it printed."""
+    if out.is_relative_to(workdir):
+        raise BadInput(f"temporary directory {out} lies inside the worktree {workdir}")
+    report = out / "junit.xml"
+    blank = out / "blank"
+    blank.touch(0o444)
+    layout = Layout.of([workdir, out], hide.dirs, hide.files, workdir, blank)
+    with (out / "output.log").open("w+b") as log:
+        child = sandbox.spawn(
+            _argv(spec, report), cwd=workdir, env=_child_env(confinement, hide.files),
+            log=log, confinement=confinement, layout=layout,
+        )  # fmt: skip
+        run = _supervise(child, spec.timeout_seconds, ticker)
+        return run, _tail(log)
+
+
+def _result(
+    spec: VerifierSpec, run: _Run, outcomes: dict[str, str], summary: str, tail: str
+) -> VerifierResult:
+    """The verdict: passed only in time, with every required test passing (and, for a
+    coarse verifier without a report, the command exiting 0)."""
     passed = (
         not run.timed_out
         and (spec.junit or run.exit_code == 0)
@@ -357,7 +273,7 @@ def _verdict(spec: VerifierSpec, run: _Run, report: Path) -> tuple[dict[str, str
         return dict.fromkeys(required, outcome), summary
     try:
         cases = read_junit(report)
-    except _UnusableReport as exc:
+    except UnusableReport as exc:
         return dict.fromkeys(required, ERROR), f"verifier error: {exc}"
     outcomes = {node: cases.get(junit_key(node), MISSING) for node in required}
     return outcomes, _summary(spec, outcomes)
@@ -380,82 +296,3 @@ def _listing(nodes: list[str], outcomes: Mapping[str, str]) -> str:
     shown = [n if outcomes[n] == FAILED else f"{n} ({outcomes[n]})" for n in nodes[:_LISTED_IDS]]
     more = len(nodes) - _LISTED_IDS
     return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "")
-
-
-def junit_key(node_id: str) -> tuple[str, str]:
-    """The ``(classname, name)`` pytest's JUnit report gives the test ``node_id``.
-
-    Mirrors pytest's ``mangle_test_address``: ``tests/test_x.py::TestC::test_m[1]`` ->
-    ``("tests.test_x.TestC", "test_m[1]")``.
-    """
-    path, bracket, params = node_id.partition("[")
-    names = path.split("::")
-    module = names[0].replace("/", ".")
-    names[0] = module.removesuffix(".py")
-    return ".".join(names[:-1]), names[-1] + bracket + params
-
-
-def read_junit(path: Path) -> dict[tuple[str, str], str]:
-    """Outcomes by ``(classname, name)`` from the JUnit report at ``path``, size-capped."""
-    try:
-        with path.open("rb") as handle:
-            data = handle.read(MAX_REPORT_BYTES + 1)
-    except FileNotFoundError:
-        raise _UnusableReport("no JUnit report was written") from None
-    except OSError as exc:
-        raise _UnusableReport(f"JUnit report unreadable: {exc.strerror}") from None
-    if len(data) > MAX_REPORT_BYTES:
-        raise _UnusableReport(f"JUnit report larger than {MAX_REPORT_BYTES} bytes")
-    return parse_junit(data)
-
-
-def parse_junit(data: bytes) -> dict[tuple[str, str], str]:
-    """Outcomes by ``(classname, name)``; a report declaring a DTD or entities is refused."""
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise _UnusableReport("JUnit report is not UTF-8") from None
-    upper = text.upper()
-    if "<!DOCTYPE" in upper or "<!ENTITY" in upper:
-        raise _UnusableReport("JUnit report refused: it declares a DOCTYPE or ENTITY")
-    try:
-        # Safe: DTDs are refused above, and parsing a str forces expat to UTF-8, so the
-        # check saw exactly the characters the parser sees (no encoding tricks).
-        root = ET.fromstring(text)  # noqa: S314
-    except ET.ParseError as exc:
-        raise _UnusableReport(f"JUnit report is not well-formed XML: {exc}") from None
-    cases: dict[tuple[str, str], str] = {}
-    for case in root.iter("testcase"):
-        key = (case.get("classname", ""), case.get("name", ""))
-        cases[key] = _worse(cases.get(key, PASSED), _case_outcome(case))
-    return cases
-
-
-def _case_outcome(case: ET.Element) -> str:
-    outcome = PASSED
-    for child in case:
-        found = _CHILD_OUTCOME.get(child.tag, PASSED)
-        if found == SKIPPED and child.get("type") == "pytest.xfail":
-            found = PASSED  # SWE-bench grades XFAIL as passing
-        outcome = _worse(outcome, found)
-    return outcome
-
-
-def _worse(first: str, second: str) -> str:
-    """The worse of two outcomes: a test reported twice counts as its worst report."""
-    return first if _RANK[first] >= _RANK[second] else second
-
-
-def _positive_number(value: object) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return math.isfinite(value) and value > 0
-
-
-def _str_tuple(name: str, value: object) -> tuple[str, ...]:
-    if not isinstance(value, list | tuple):
-        raise BadInput(f"verifier {name} must be a list of strings")
-    items = tuple(value)
-    if not all(isinstance(item, str) and item for item in items):
-        raise BadInput(f"verifier {name} must hold only non-empty strings")
-    return items

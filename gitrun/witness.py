@@ -234,14 +234,7 @@ def admit(path: Path, reading: Reading | None, here: Mark, parent: str | None) -
     """
     resume = f"gitrun checkpoint rewitness {here.run_id} --generation {here.generation}"
     if reading is None:
-        if here.generation == 1 and parent is None:
-            return True  # the first advance: killed after its ref move, before the witness
-        raise CheckpointRejected(
-            "witness-missing",
-            f"{here.ref} is at generation {here.generation} but the run's witness {path} is "
-            "missing (it is never re-created silently); restore it from a backup, or if "
-            f"generation {here.generation} is really the newest, run: {resume}",
-        )
+        return _admit_unwitnessed(path, here, parent, resume)
     mark = reading.mark
     if mark is None:
         raise CheckpointRejected(
@@ -271,6 +264,19 @@ def admit(path: Path, reading: Reading | None, here: Mark, parent: str | None) -
         f"{here.ref} is at {at} but the witness records {witnessed} on {mark.ref}, and the "
         "one is not the other's successor; restore the ref with `git update-ref "
         f"{mark.ref} {mark.commit}`, or accept the ref's checkpoint with: {resume}",
+    )
+
+
+def _admit_unwitnessed(path: Path, here: Mark, parent: str | None, resume: str) -> bool:
+    """No witness file: only a first checkpoint may be admitted (and witnessed now), since
+    a missing witness is never re-created silently for a later one."""
+    if here.generation == 1 and parent is None:
+        return True  # the first advance: killed after its ref move, before the witness
+    raise CheckpointRejected(
+        "witness-missing",
+        f"{here.ref} is at generation {here.generation} but the run's witness {path} is "
+        "missing (it is never re-created silently); restore it from a backup, or if "
+        f"generation {here.generation} is really the newest, run: {resume}",
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gitrun import verifier
+from gitrun import junit
 from gitrun.errors import BadInput, LeaseLost
 from gitrun.verifier import VerifierResult, VerifierSpec, run_verifier
 
@@ -350,7 +350,7 @@ def test_report_declaring_a_doctype_is_refused(project: Path) -> None:
 def test_report_over_the_size_cap_is_refused(
     project: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(verifier, "MAX_REPORT_BYTES", 100)
+    monkeypatch.setattr(junit, "MAX_REPORT_BYTES", 100)
     report = '<testsuites><testcase classname="tests.test_a" name="test_fixed"/></testsuites>'
     command = report_writer(report + " " * 50)
 
