@@ -256,7 +256,7 @@ class IllegalTransition(GitrunError, RuntimeError):
     """The run's phase (or its pending intent) does not accept this event; nothing changed."""
 
     def __init__(self, phase: str, event: MachineEvent, message: str) -> None:
-        super().__init__(message, phase=phase, event=type(event).__name__)
+        super().__init__(message)
         self.phase = phase
         self.event = event
 
