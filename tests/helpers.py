@@ -158,6 +158,15 @@ class Gitrun:
         return self.home / "repos" / task_id
 
 
+def one_line(err: str) -> str:
+    """A refusal is one line on stderr, never a traceback."""
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("gitrun: "), err
+    return lines[0]
+
+
 def reap_all(procs: Iterable[subprocess.Popen[str]]) -> None:
     """Wake (a test may have SIGSTOPped it), kill and reap every process still running."""
     for proc in procs:

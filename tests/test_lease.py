@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from conftest import SANDBOXES, Gitrun, git, snapshot
-from helpers import PAUSING_WORKER
+from helpers import PAUSING_WORKER, one_line
 
 from gitrun import gitstore, service
 from gitrun.checkpoint import find_checkpoint_refs
@@ -116,15 +116,6 @@ def lease_of(gitrun: Gitrun, run_id: str) -> dict[str, Any]:
     lease: dict[str, Any] | None = status(gitrun, run_id)["lease"]
     assert lease is not None
     return lease
-
-
-def one_line(err: str) -> str:
-    """A refusal is one line on stderr, never a traceback."""
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("gitrun: "), err
-    return lines[0]
 
 
 def slow_task(sandbox_copy: Callable[[str], Path]) -> Path:

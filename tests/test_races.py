@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SANDBOXES, Gitrun, git, snapshot
-from helpers import PAUSING_WORKER
+from helpers import PAUSING_WORKER, one_line
 
 from gitrun import service
 from gitrun.errors import Exit
@@ -74,15 +74,6 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 60.0) -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
-
-
-def one_line(err: str) -> str:
-    """A refusal is one line on stderr, never a traceback."""
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("gitrun: "), err
-    return lines[0]
 
 
 def verified(gitrun: Gitrun, run_id: str) -> None:
