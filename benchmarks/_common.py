@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import ClassVar
 
@@ -49,6 +50,7 @@ import pygit2  # noqa: E402 - after the environment is made hermetic
 
 from gitrun import gitstore  # noqa: E402
 from gitrun.agents import ScriptAgent  # noqa: E402
+from gitrun.approvals import Approvals  # noqa: E402
 from gitrun.checkpoint import CheckpointStore  # noqa: E402
 from gitrun.environment import Environment  # noqa: E402
 from gitrun.keys import load_keyring  # noqa: E402
@@ -148,7 +150,7 @@ def bench_dir(prefix: str) -> Iterator[Path]:
 def file_text(d: int, f: int, size: int, version: int = 0, salt: str = "") -> str:
     """A realistic-looking Python source file of about ``size`` bytes."""
     head = f'"""Module d{d:03d}/m{f:03d} (version {version}{salt})."""\n\n'
-    body = []
+    body: list[str] = []
     n = 0
     while len(head) + sum(map(len, body)) < size:
         body.append(
@@ -298,7 +300,7 @@ def start_run(
     lease = LeaseManager(repo, run_id, worker, lease_seconds)
     lease.acquire(0)
     env = Environment.create(repo, run_id, base, worktree, f"{task.id}@{task.version}")
-    base_obj = repo[base]
+    base_tree = repo[base].peel(pygit2.Commit).tree_id
     rt = begin(
         task=task,
         env=env,
@@ -307,7 +309,7 @@ def start_run(
         agent=ScriptAgent("plan", actions),
         worker=worker,
         base_commit=str(base),
-        scenario_parts=task.scenario_parts(str(base), str(base_obj.tree_id)),
+        scenario_parts=task.scenario_parts(str(base), str(base_tree)),
         say=lambda _: None,
         approvals=no_approvals(),
     )
@@ -315,12 +317,8 @@ def start_run(
     return Run(repo, env, store, lease, task, ref, rt)
 
 
-def no_approvals() -> object:
+def no_approvals() -> Approvals:
     """The runtime's approval hook with no trust roots (the benchmarks need no approvals)."""
-    try:
-        from gitrun.approvals import Approvals
-    except ImportError:
-        return None
     return Approvals(None)
 
 
@@ -379,6 +377,6 @@ def machine_line() -> str:
     return (
         f"{platform.node()} · {platform.system()} {platform.release()} · "
         f"{os.cpu_count()} CPUs · Python {platform.python_version()} · "
-        f"pygit2 {pygit2.__version__} / libgit2 {pygit2.LIBGIT2_VERSION} · temp dir "
+        f"pygit2 {version('pygit2')} / libgit2 {pygit2.LIBGIT2_VERSION} · temp dir "
         f"{tempfile.gettempdir()}"
     )

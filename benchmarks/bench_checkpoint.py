@@ -42,9 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import _common as c
+import pygit2
 
 from gitrun.codec import canonical_bytes, encode
 from gitrun.keys import load_keyring
+from gitrun.records import Event
+from gitrun.runtime import Runtime
 from gitrun.witness import Mark, Witness
 
 TARGET = 3.0
@@ -78,16 +81,18 @@ def gitrun_op(tmp: Path, *, witness: bool = True) -> tuple[Op, bytes, str]:
     rt.step()  # persists an intent: the state now holds a pending action and a receipt
     template = replace(rt.state, events=_last_events(rt))
     store, ref, fence = run.store, run.ref, run.lease.fence
-    head = {"oid": rt.checkpoint, "gen": rt.state.generation}
+    if rt.checkpoint is None:
+        raise RuntimeError("the benchmark run has no checkpoint after its steps")
+    head_oid, head_gen = rt.checkpoint, rt.state.generation
+    message = repo[head_oid].peel(pygit2.Commit).raw_message
 
     def op(_: int) -> None:
-        gen = head["gen"] + 1
-        state = replace(template, generation=gen, updated_at=time.time())
-        head["oid"] = store.advance(ref, state, head["oid"], fence)
-        head["gen"] = gen
+        nonlocal head_oid, head_gen
+        state = replace(template, generation=head_gen + 1, updated_at=time.time())
+        head_oid = store.advance(ref, state, head_oid, fence)
+        head_gen += 1
 
     payload = canonical_bytes(encode(template))
-    message = repo[rt.checkpoint].raw_message
     return op, message, f"{len(payload):,} B payload, {len(message):,} B commit message"
 
 
@@ -106,8 +111,10 @@ def witness_op(tmp: Path, key_file: Path) -> Op:
     return op
 
 
-def _last_events(rt: Any) -> tuple:
+def _last_events(rt: Runtime) -> tuple[Event, ...]:
     """The trace events the last checkpoint carried (an intent event): realistic size."""
+    if rt.checkpoint is None:
+        raise RuntimeError("the benchmark run has no checkpoint yet")
     stored = rt.store.read(rt.ref, rt.checkpoint)
     return stored.state.events
 
@@ -167,18 +174,17 @@ class DbosPeer:
         url = f"sqlite:///{tmp / 'dbos.sqlite'}"
         DBOS(config={"name": "gitrun-bench", "system_database_url": url, "log_level": "ERROR"})
 
-        @DBOS.step()
         def bench_step(i: int) -> str:
             del i
             return payload
 
-        @DBOS.workflow()
         def bench_workflow(rounds: int) -> int:
             self.body(rounds)
             return rounds
 
-        self.step = bench_step
-        self.workflow = bench_workflow
+        # Decorated by call, not by @: dbos may ship no types (see pyproject's overrides).
+        self.step = DBOS.step()(bench_step)
+        self.workflow = DBOS.workflow()(bench_workflow)
         self.body: Callable[[int], None] = lambda rounds: None
         DBOS.launch()
         self.info = f"system database {url.split('///', maxsplit=1)[0]}///…/dbos.sqlite"

@@ -34,7 +34,7 @@ import time
 
 import _common as c
 
-from gitrun.records import Precondition, new_key
+from gitrun.records import Action, Precondition, new_key
 
 TARGET = 1.5
 
@@ -42,7 +42,7 @@ TARGET = 1.5
 class AdapterWriter:
     """One ``Environment.execute`` per call; the precondition is read outside the timing."""
 
-    def __init__(self, run: c.Run, actions: tuple) -> None:
+    def __init__(self, run: c.Run, actions: tuple[Action, ...]) -> None:
         self.env, self.fence, self.actions = run.env, run.lease.fence, actions
 
     def __call__(self, n: int) -> int:
@@ -194,8 +194,8 @@ def main() -> None:
     ]
     for lay in (small, large):
         for pos in (args.early, late):
-            cells = " | ".join(res[lay][k][pos].cells() for k in kinds)
-            lines.append(f"| {lay.files:,} files, write #{pos:,} | {cells} |")
+            row = " | ".join(res[lay][k][pos].cells() for k in kinds)
+            lines.append(f"| {lay.files:,} files, write #{pos:,} | {row} |")
     lines.append(
         f"| floor: write+fsync+rename+dir fsync, {small.file_size} B | "
         + " | ".join(floor.cells() for _ in kinds)
@@ -236,7 +236,7 @@ def main() -> None:
         ),
     ]
     for label, (lb, pb), (ls, ps) in comparisons:
-        cells = []
+        cells: list[str] = []
         for k in kinds:
             big, sml = res[lb][k][pb], res[ls][k][ps]
             r = big.median_ms / sml.median_ms

@@ -126,20 +126,7 @@ def execute(
     head = env.head()
     env._check_precondition(head, pre)
     env._check_fence(head, fence, approval)
-    dirty = shell.scan(env.repo, env.worktree, head.tree)
-    if dirty:
-        raise EnvironmentDrift(
-            "uncommitted-edits",
-            f"{', '.join(sorted(dirty)[:5])} differ from HEAD in {env.worktree}; an exec step "
-            "runs only on the precondition tree",
-        )
-    with env.fenced(fence):  # the lease is current (checked under its OS lock) as it starts
-        _mark_started(env, key)
-    ran = shell.run(
-        action, env.worktree, confinement=ctx.confinement, hidden=ctx.hidden,
-        heartbeat=ctx.heartbeat,
-    )  # fmt: skip
-    faults.point("exec_done")
+    ran = _run_on_clean_tree(env, action, key, head, fence, ctx)
     changes = shell.scan(env.repo, env.worktree, head.tree, write=True)
     new_tree = _checked_tree(env, ctx.gate, head.tree, changes, fence)
     blob = env.repo.create_blob(ran.output)
@@ -162,6 +149,27 @@ def execute(
     faults.point("after_receipt_index")
     faults.point("after_file_sync")  # the files on disk already are the commit's
     return Outcome(appended.receipt, replayed=False)
+
+
+def _run_on_clean_tree(
+    env: Environment, action: Action, key: str, head: pygit2.Commit, fence: Fence, ctx: ExecContext
+) -> shell.Ran:
+    """Run the command on a worktree that is exactly HEAD, marked started under the lease."""
+    dirty = shell.scan(env.repo, env.worktree, head.tree)
+    if dirty:
+        raise EnvironmentDrift(
+            "uncommitted-edits",
+            f"{', '.join(sorted(dirty)[:5])} differ from HEAD in {env.worktree}; an exec step "
+            "runs only on the precondition tree",
+        )
+    with env.fenced(fence):  # the lease is current (checked under its OS lock) as it starts
+        _mark_started(env, key)
+    ran = shell.run(
+        action, env.worktree, confinement=ctx.confinement, hidden=ctx.hidden,
+        heartbeat=ctx.heartbeat,
+    )  # fmt: skip
+    faults.point("exec_done")
+    return ran
 
 
 def _mark_started(env: Environment, key: str) -> None:

@@ -28,16 +28,17 @@ from typing import Any
 
 import pygit2
 import pytest
-from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, scrub_env, snapshot
+from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, snapshot
+from helpers import CLI_ENV, Keys, RunCopy, Template, Templates, hermetic
 
 from gitrun import gitstore, service, trees
-from gitrun.approvals import Approvals, approval_claims, inbox_ref, submit
+from gitrun.approvals import Approvals, approval_claims
 from gitrun.codec import decode, digest, encode
 from gitrun.environment import Approval
 from gitrun.errors import ApprovalRefused, Exit, GateRejected
 from gitrun.evidence import APPROVAL_DOMAIN, Signed, load_trust_roots, sign
 from gitrun.lease import LeaseManager
-from gitrun.records import AWAITING_APPROVAL, DONE, NEEDS_REVIEW, RUNNING, Action, RunState, new_key
+from gitrun.records import AWAITING_APPROVAL, DONE, NEEDS_REVIEW, RUNNING, Action, new_key
 from gitrun.workspace import Workspace
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,8 +46,6 @@ pytestmark = pytest.mark.timeout(120)
 RUN = "ap"
 TASK = "retire-legacy"
 KILLED = -9  # a child killed by GITRUN_CRASH_AT (SIGKILL)
-# Every CLI child runs optimised too when the suite does, so `if … raise` is what holds.
-CLI_ENV = {"PYTHONOPTIMIZE": "1"} if sys.flags.optimize else {}
 FINGERPRINT = re.compile(r"evidence (sha256:[0-9a-f]{64})")
 SIGNER = re.compile(r"  key (hk-[0-9a-f]+)  ")
 # A short approval life that still outlasts one (loaded) CLI start before the intake.
@@ -64,86 +63,18 @@ HOLD_LOCK = (
 # -- the frozen run every test copies ----------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Keys:
-    """alice approves, bob reviews (both trusted); mallory approves in another trust root."""
-
-    dir: Path
-    roots: Path
-    other_roots: Path
-
-    def __getitem__(self, name: str) -> Path:
-        return self.dir / f"{name}.key"
-
-
-@dataclass(frozen=True)
-class Template:
-    home: Path
-    keys: Keys
-    run: Result
-
-
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
-    base = tmp_path_factory.mktemp("keys")
-    (base / "user").mkdir()
-    made = Keys(base / "keys", base / "roots.json", base / "other-roots.json")
-    people = (
-        ("alice", "approver", made.roots),
-        ("bob", "reviewer", made.roots),
-        ("mallory", "approver", made.other_roots),
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        scrub_env(mp, base / "user")
-        cli = Gitrun(base)
-        for name, role, roots in people:
-            res = cli(
-                "keys",
-                "new",
-                name,
-                "--role",
-                role,
-                "--dir",
-                str(made.dir),
-                "--trust-roots",
-                str(roots),
-                **CLI_ENV,
-            )
-            assert res.code == 0, res.err
-    return made
-
-
-@pytest.fixture(scope="module")
-def frozen(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> Template:
+def frozen(templates: Templates) -> Template:
     """retire-legacy after its patch, frozen before the risky delete."""
-    base = tmp_path_factory.mktemp("frozen-run")
-    home = base / "home"
-    home.mkdir()
-    (base / "user").mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        scrub_env(mp, base / "user")
-        res = Gitrun(home)("run", str(SANDBOXES / TASK), "--run-id", RUN, **CLI_ENV)
-    assert res.code == Exit.FROZEN, res.err
-    return Template(home, keys, res)
+    return templates.run(SANDBOXES / TASK, RUN, Exit.FROZEN)
 
 
-@dataclass
-class Copy:
+class Copy(RunCopy):
     """A private, relocated copy of a template workspace."""
 
-    home: Path
-    keys: Keys
-
-    @property
-    def repo(self) -> Path:
-        return self.home / "repos" / TASK
-
-    @property
-    def worktree(self) -> Path:
-        return self.home / "worktrees" / RUN
-
-    def cli(self, *args: str, **extra: str) -> Result:
-        return Gitrun(self.home)(*args, **CLI_ENV, **extra)
+    RUN = RUN
+    TASK = TASK
+    INBOX = "approval"
 
     def approve(self, key: str = "alice", ttl: str = "1h") -> Result:
         return self.cli("approve", RUN, "--key", str(self.keys[key]), "--ttl", ttl)
@@ -154,36 +85,6 @@ class Copy:
         _, signed, _ = service.approve(RUN, opts, self.keys["alice"], ttl, "")
         return signed.fingerprint()
 
-    def resume(self, *extra_args: str, **env: str) -> Result:
-        return self.cli("resume", RUN, "--trust-roots", str(self.keys.roots), *extra_args, **env)
-
-    def opened(self) -> service.Opened:
-        return service.open_run(RUN, service.Options(Workspace(self.home)))
-
-    def state(self) -> RunState:
-        _, stored = service.load_verified(self.opened())
-        return stored.state
-
-    def chain(self) -> list[RunState]:
-        """Every checkpoint, oldest first."""
-        stored = service.checkpoints(RUN, service.Options(Workspace(self.home)))
-        return [s.state for s in reversed(stored)]
-
-    def checkpoint_tip(self) -> str:
-        ref, _ = service.load_verified(self.opened())
-        return git(self.repo, "rev-parse", ref).strip()
-
-    def branch_tip(self) -> str:
-        return git(self.repo, "rev-parse", f"refs/heads/gitrun/{RUN}").strip()
-
-    def tips(self) -> tuple[str, str]:
-        return self.checkpoint_tip(), self.branch_tip()
-
-    def keys_in_history(self) -> list[str]:
-        fmt = "%(trailers:key=Gitrun-Idempotency-Key,valueonly)"
-        out = git(self.repo, "log", f"--format={fmt}", f"gitrun/{RUN}")
-        return [line for line in out.splitlines() if line.strip()]
-
     def delete_commits(self) -> list[str]:
         """Write commits of the risky delete, as "<commit> delete_file <Gitrun-Approval>"."""
         fmt = (
@@ -193,18 +94,6 @@ class Copy:
         out = git(self.repo, "log", f"--format={fmt}", f"gitrun/{RUN}")
         return [line for line in out.splitlines() if " delete_file " in line]
 
-    def inbox(self) -> Signed | None:
-        repo = gitstore.open_repo(self.repo)
-        oid = gitstore.read_ref(repo, inbox_ref(RUN, "approval"))
-        if oid is None:
-            return None
-        blob = repo[oid]
-        assert isinstance(blob, pygit2.Blob)
-        return decode(Signed, json.loads(blob.data))
-
-    def submit(self, evidence: Signed) -> None:
-        submit(gitstore.open_repo(self.repo), RUN, "approval", evidence)
-
     def craft(self, **edits: Any) -> Signed:
         """alice's approval of the checkpoint's pending action, some claims edited."""
         claims = approval_claims(self.state(), "crafted", 3600)
@@ -213,10 +102,8 @@ class Copy:
 
 
 @pytest.fixture
-def ws(frozen: Template, tmp_path: Path) -> Copy:
-    home = tmp_path / "ws-home"
-    relocate_workspace(frozen.home, home)
-    return Copy(home, frozen.keys)
+def ws(frozen: Template, keys: Keys, tmp_path: Path) -> Copy:
+    return Copy(frozen.copy(tmp_path / "ws-home"), keys)
 
 
 def _fingerprint(approve: Result) -> str:
@@ -366,14 +253,13 @@ class Expired:
 
 
 @pytest.fixture(scope="module")
-def expired_template(frozen: Template, tmp_path_factory: pytest.TempPathFactory) -> Expired:
+def expired_template(
+    frozen: Template, keys: Keys, tmp_path_factory: pytest.TempPathFactory
+) -> Expired:
     """Made once: the expiry wait is the slow part."""
     base = tmp_path_factory.mktemp("expired-run")
-    (base / "user").mkdir()
-    ws = Copy(base / "home", frozen.keys)
-    relocate_workspace(frozen.home, ws.home)
-    with pytest.MonkeyPatch.context() as mp:
-        scrub_env(mp, base / "user")
+    ws = Copy(frozen.copy(base / "home"), keys)
+    with hermetic(base / "user"):
         fingerprint = ws.approved(ttl=TTL)
         crashed = ws.resume(GITRUN_CRASH_AT="checkpoint_ref_moved")  # right after the intake
     assert crashed.code == KILLED, crashed.err
@@ -513,6 +399,7 @@ def test_a_write_whose_commit_time_is_after_the_approval_expired_goes_to_review(
     review = ws.state()
     assert review.phase == NEEDS_REVIEW
     assert review.review is not None
+    assert review.review.receipt is not None
     assert review.review.receipt.commit == str(oid)
     assert review.review.receipt.committed_at == late
     assert review.review.key == p.key

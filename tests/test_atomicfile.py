@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pygit2
 import pytest
 from conftest import git
 
@@ -214,7 +215,7 @@ def test_a_symlink_planted_at_the_temp_name_is_never_opened(
     outside.write_bytes(b"precious")
     target = tmp_path / "state.json"
     names = iter(["planted", "fresh"])
-    monkeypatch.setattr(atomicfile.secrets, "token_hex", lambda _n: next(names))
+    monkeypatch.setattr("gitrun.atomicfile.secrets.token_hex", lambda _n: next(names))
     planted = tmp_path / f"{temp_prefix(target.name)}planted"
     planted.symlink_to(outside)
     os.utime(planted, follow_symlinks=False)
@@ -246,7 +247,8 @@ def env(tmp_path: Path) -> Iterator[Environment]:
     repo = gitstore.open_repo(repo_dir)
     lease = LeaseManager(repo, "run-1", "worker-1", 120)
     lease.acquire(0)
-    yield Environment.create(repo, "run-1", repo.head.target, tmp_path / "wt", "t@1")
+    base = repo.head.peel(pygit2.Commit).id
+    yield Environment.create(repo, "run-1", base, tmp_path / "wt", "t@1")
     lease.release()
 
 

@@ -21,7 +21,6 @@ import secrets
 import shutil
 import stat
 import subprocess
-import sys
 import time
 import tomllib
 from collections.abc import Callable
@@ -31,7 +30,8 @@ from typing import Any
 
 import pygit2
 import pytest
-from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, scrub_env, snapshot
+from conftest import SANDBOXES, Gitrun, Result, git, snapshot
+from helpers import CLI_ENV, Template, make_run
 
 from gitrun import gitstore
 from gitrun.checkpoint import (
@@ -66,18 +66,8 @@ REFUSED = 5
 BOTH = ("verify", "resume")
 BAD_INPUT = 2
 
-# Every CLI child runs optimised too when the suite does, so `if … raise` is what holds.
-CLI_ENV = {"PYTHONOPTIMIZE": "1"} if sys.flags.optimize else {}
-
 
 # -- the finished run every test copies ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Template:
-    home: Path
-    task_dir: Path
-    run: Result
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +75,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
     base = tmp_path_factory.mktemp("finished-run")
     task_dir = base / "tasks" / TASK
     shutil.copytree(SANDBOXES / TASK, task_dir)
-    home = base / "home"
-    home.mkdir()
-    (base / "user").mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        scrub_env(mp, base / "user")
-        res = Gitrun(home)("run", str(task_dir), "--run-id", RUN_ID, **CLI_ENV)
-    assert res.code == 0, res.err
-    return Template(home, task_dir, res)
+    return make_run(base, task_dir, RUN_ID, 0)
 
 
 @dataclass
@@ -133,8 +116,7 @@ class Copy:
 
 @pytest.fixture
 def ws(template: Template, tmp_path: Path) -> Copy:
-    home = tmp_path / "ws-home"
-    relocate_workspace(template.home, home)
+    home = template.copy(tmp_path / "ws-home")
     (ref,) = find_checkpoint_refs(gitstore.open_repo(home / "repos" / TASK), RUN_ID)
     return Copy(home, template.task_dir, ref)
 
@@ -212,7 +194,7 @@ def put_head(ws: Copy, message: bytes, header: Callable[[bytes], bytes] = lambda
 def head_parts(ws: Copy) -> tuple[RunState, str, bytes]:
     """The head checkpoint's state, its parent id, and its exact payload bytes."""
     stored = ws.store().load(ws.ref, scenario_parts=None)
-    commit = ws.open()[stored.oid]
+    commit = ws.open()[stored.oid].peel(pygit2.Commit)
     payload = commit.raw_message.split(b"\n\n")[1]
     return stored.state, str(commit.parent_ids[0]), payload
 
@@ -836,7 +818,7 @@ def test_after_rotation_old_checkpoints_still_verify_and_new_ones_carry_the_new_
     oid = store.advance(ws.ref, next_state(head.state, events=()), head.oid, None)
     assert store.load(ws.ref, scenario_parts=None).key_id == new_kid
     assert [s.key_id for s in store.chain(ws.ref)] == [new_kid] + [old_kid] * 4
-    assert ws.open()[oid].message_trailers["Gitrun-Key-Id"] == new_kid
+    assert ws.open()[oid].peel(pygit2.Commit).message_trailers["Gitrun-Key-Id"] == new_kid
 
     res = ws.cli("checkpoint", "verify", RUN_ID)
     assert res.code == 0, res.err

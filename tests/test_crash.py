@@ -44,14 +44,13 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from conftest import Gitrun
+from conftest import SANDBOXES, Gitrun
+from helpers import hermetic_env
 
 from gitrun import faults, service
 from gitrun.errors import GitrunError
 from gitrun.workspace import Workspace
 
-ROOT = Path(__file__).resolve().parent.parent
-SANDBOXES = ROOT / "sandboxes"
 SANDBOX_NAMES = sorted(p.name for p in SANDBOXES.iterdir() if (p / "task.toml").is_file())
 POINTS = tuple(faults.POINTS)
 
@@ -66,27 +65,6 @@ KEYRING = Path("keys/checkpoint.keyring")
 # -- the CLI in a hermetic subprocess ---------------------------------------------------
 
 
-def hermetic_env(root: Path) -> dict[str, str]:
-    """The conftest's hermetic git environment, built explicitly for shared fixtures."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "GITRUN_"))}
-    home = root / "user-home"
-    home.mkdir(parents=True, exist_ok=True)
-    env.update(
-        HOME=str(home),
-        XDG_CONFIG_HOME=str(home / ".config"),
-        GIT_CONFIG_NOSYSTEM="1",
-        GIT_AUTHOR_NAME="Test",
-        GIT_AUTHOR_EMAIL="test@example.invalid",
-        GIT_COMMITTER_NAME="Test",
-        GIT_COMMITTER_EMAIL="test@example.invalid",
-        PYTHONDONTWRITEBYTECODE="1",
-        # The sandboxes' verifier runs pytest: plugins installed in this venv for other
-        # purposes (langsmith's costs ~1 s per start) must not slow every run down.
-        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
-    )
-    return env
-
-
 @dataclass(frozen=True)
 class Cli:
     """The real ``gitrun`` CLI against one private workspace (``GITRUN_HOME``)."""
@@ -97,7 +75,9 @@ class Cli:
     @classmethod
     def at(cls, home: Path) -> Cli:
         home.mkdir(parents=True, exist_ok=True)
-        return cls(home, {**hermetic_env(home.parent), "GITRUN_HOME": str(home)})
+        user = home.parent / "user-home"
+        env = hermetic_env(user, PYTHONDONTWRITEBYTECODE="1", GITRUN_HOME=str(home))
+        return cls(home, env)
 
     def argv(self, *args: str) -> list[str]:
         # Under `python -O -m pytest` the CLI runs optimised too: no runtime check may be

@@ -325,7 +325,7 @@ class Adapter:
         self.lease.acquire(0)
         self.worktree = root / "wt"
         self.env = Environment.create(
-            self.repo, self.run_id, self.repo.head.target, self.worktree, "t@1"
+            self.repo, self.run_id, self.repo.head.peel(pygit2.Commit).id, self.worktree, "t@1"
         )
 
     def pre(self) -> Precondition:

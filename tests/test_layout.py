@@ -15,23 +15,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gitrun"
 MODULE_LINES = 450
 FUNCTION_LINES = 45
 
-# Modules another engineer (h-wire) is reshaping while this budget lands: the run loop,
-# approvals, recovery and the state machine. Exempt whole, both budgets, until that work
-# is merged; the lead then deletes this set and lists here whatever is still over.
-BEING_RESHAPED = frozenset(
-    {
-        "approvals.py",
-        "machine.py",
-        "machine_events.py",
-        "machine_evidence.py",
-        "recovery.py",
-        "runtime.py",
-    }
-)
+# Modules exempt from both budgets while another change reshapes them (none now).
+BEING_RESHAPED: frozenset[str] = frozenset()
 
 # Functions over the budget that could not be split without rewriting them, each with
 # its reason. Keys are "module.py:Qualified.name".
-ALLOWED_FUNCTIONS: dict[str, str] = {}
+ALLOWED_FUNCTIONS: dict[str, str] = {
+    "runtime.py:initial_state": "one RunState(...) literal naming every field of generation 1",
+}
 
 # Modules over the budget that could not be split yet, each with its reason.
 ALLOWED_MODULES: dict[str, str] = {}

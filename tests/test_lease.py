@@ -10,7 +10,6 @@ exactly once), the signed checkpoint chain (generations 1..n with no gap), and
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -19,13 +18,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import SANDBOXES, Gitrun, git, snapshot
+from helpers import PAUSING_WORKER, one_line
 
 from gitrun import gitstore, service
 from gitrun.checkpoint import find_checkpoint_refs
@@ -42,27 +42,6 @@ FIX_MEDIAN = SANDBOXES / "fix-median"
 UNTIL = re.compile(r"until \d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 OWNED, LEASE_LOST = 4, 6
 
-# A worker that runs the real CLI but stops at one named fault point: it writes a
-# marker file there and waits for a "go" file, so a test can SIGSTOP it at a known
-# place in the step protocol and let it carry on later.
-PAUSING_WORKER = """
-import os, sys, time
-from gitrun import cli, faults
-
-pause_at, marker, go = sys.argv[1:4]
-real_point = faults.point
-
-def point(name):
-    if name == pause_at and not os.path.exists(marker):
-        with open(marker, "w") as handle:
-            handle.write(str(os.getpid()))
-        while not os.path.exists(go):
-            time.sleep(0.02)
-    real_point(name)
-
-faults.point = point
-cli.main(sys.argv[4:])
-"""
 
 # A recovery process that loads the checkpoint at generation g, holds a lease (its
 # own, taken over from whoever had it, or one shared fence), waits at a file barrier,
@@ -110,22 +89,6 @@ Path(out).write_text(json.dumps(result))
 # -- helpers ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def reap() -> Iterator[list[subprocess.Popen[str]]]:
-    """Every process a test starts; teardown continues, kills and reaps the leftovers."""
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-        proc.wait(timeout=30)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-
-
 def wait_until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -153,15 +116,6 @@ def lease_of(gitrun: Gitrun, run_id: str) -> dict[str, Any]:
     lease: dict[str, Any] | None = status(gitrun, run_id)["lease"]
     assert lease is not None
     return lease
-
-
-def one_line(err: str) -> str:
-    """A refusal is one line on stderr, never a traceback."""
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("gitrun: "), err
-    return lines[0]
 
 
 def slow_task(sandbox_copy: Callable[[str], Path]) -> Path:

@@ -60,7 +60,8 @@ def _worker(
     pending = run_ids[first:] + run_ids[:first]
     while pending and time.monotonic() < deadline:
         for run_id in list(pending):
-            result = gitrun("resume", run_id, "-q", "--worker-id", f"stress-{n}", timeout=90)
+            argv = ("resume", run_id, "-q", "--worker-id", f"stress-{n}")
+            result = gitrun.run(argv, timeout=90)
             tries.append((run_id, result.code, result.err))
             if result.code not in (4, 6):
                 pending.remove(run_id)  # done (0) or a failure the test reports

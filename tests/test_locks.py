@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,14 +73,9 @@ def fsck_clean(repo: Path) -> None:
 
 
 @pytest.fixture
-def holder() -> Iterator[list[subprocess.Popen[str]]]:
+def holder(reap: list[subprocess.Popen[str]]) -> list[subprocess.Popen[str]]:
     """Helper processes that hold a ref's OS lock and its ``.lock`` file; reaped after."""
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
+    return reap
 
 
 def hold(procs: list[subprocess.Popen[str]], repo: Path, ref: str) -> subprocess.Popen[str]:

@@ -10,7 +10,6 @@ without hand-editing ``.git``, and ``gitrun run`` of an existing run either cont
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -18,11 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import SANDBOXES, Gitrun, git, snapshot
+from helpers import PAUSING_WORKER, one_line
 
 from gitrun import service
 from gitrun.errors import Exit
@@ -33,40 +33,6 @@ pytestmark = pytest.mark.timeout(120)
 FIX_MEDIAN = SANDBOXES / "fix-median"
 FAST = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # the verifier's pytest: no unrelated plugins
 INSTANCE = Path(".git/worktrees/gitrun-r/gitrun-instance.json")
-
-# The real CLI, stopped at one named fault point: it writes its pid to a marker file
-# there and waits for a "go" file, so a test can SIGSTOP it at a known place.
-PAUSING_WORKER = """
-import os, sys, time
-from gitrun import cli, faults
-
-pause_at, marker, go = sys.argv[1:4]
-real_point = faults.point
-
-def point(name):
-    if name == pause_at and not os.path.exists(marker):
-        with open(marker, "w") as handle:
-            handle.write(str(os.getpid()))
-        while not os.path.exists(go):
-            time.sleep(0.02)
-    real_point(name)
-
-faults.point = point
-cli.main(sys.argv[4:])
-"""
-
-
-@pytest.fixture
-def reap() -> Iterator[list[subprocess.Popen[str]]]:
-    """Every process a test starts; teardown wakes, kills and reaps the leftovers."""
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-        proc.communicate(timeout=30)
 
 
 @pytest.fixture
@@ -108,15 +74,6 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 60.0) -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
-
-
-def one_line(err: str) -> str:
-    """A refusal is one line on stderr, never a traceback."""
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("gitrun: "), err
-    return lines[0]
 
 
 def verified(gitrun: Gitrun, run_id: str) -> None:

@@ -12,8 +12,6 @@ run is made once per module; each test works on a relocated copy of it.
 from __future__ import annotations
 
 import base64
-import json
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -22,15 +20,16 @@ from typing import Any
 
 import pygit2
 import pytest
-from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, scrub_env, snapshot
+from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, snapshot
+from helpers import CLI_ENV, Keys, RunCopy, hermetic
 
 from gitrun import gitstore, service
 from gitrun.agents import load_agent
-from gitrun.approvals import inbox_ref, review_claims, submit
+from gitrun.approvals import review_claims
 from gitrun.codec import decode, digest, encode
 from gitrun.environment import index_ref
 from gitrun.errors import Exit, Frozen, ReceiptConflict
-from gitrun.evidence import REVIEW_DOMAIN, Signed, new_keypair, sign
+from gitrun.evidence import REVIEW_DOMAIN, Signed, sign
 from gitrun.lease import LeaseManager
 from gitrun.records import (
     ADAPTER_VERSION,
@@ -39,7 +38,6 @@ from gitrun.records import (
     NEEDS_REVIEW,
     RUNNING,
     Action,
-    RunState,
     new_key,
 )
 from gitrun.runtime import Runtime
@@ -50,7 +48,6 @@ pytestmark = pytest.mark.timeout(120)
 RUN = "rv"
 TASK = "fix-median"
 KILLED = -9  # a child killed by GITRUN_CRASH_AT (SIGKILL)
-CLI_ENV = {"PYTHONOPTIMIZE": "1"} if sys.flags.optimize else {}
 CONFLICT = Action(
     "write_file",
     path="stats/notes.txt",
@@ -81,17 +78,6 @@ def _intrude(home: Path, action: Action) -> str:
 
 
 @dataclass(frozen=True)
-class Keys:
-    """bob reviews and alice approves (both trusted); eve reviews in another trust root."""
-
-    dir: Path
-    roots: Path
-
-    def __getitem__(self, name: str) -> Path:
-        return self.dir / f"{name}.key"
-
-
-@dataclass(frozen=True)
 class Template:
     home: Path
     keys: Keys
@@ -101,18 +87,12 @@ class Template:
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
+def template(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> Template:
     base = tmp_path_factory.mktemp("review-run")
     home = base / "home"
     home.mkdir()
-    (base / "user").mkdir()
-    keys = Keys(base / "keys", base / "roots.json")
-    new_keypair("reviewer", "bob", keys.dir, keys.roots)
-    new_keypair("approver", "alice", keys.dir, keys.roots)
-    new_keypair("reviewer", "eve", keys.dir, base / "other-roots.json")
     cli = Gitrun(home)
-    with pytest.MonkeyPatch.context() as mp:
-        scrub_env(mp, base / "user")
+    with hermetic(base / "user"):
         crashed = cli(
             "run",
             str(SANDBOXES / TASK),
@@ -126,63 +106,13 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
     return Template(home, keys, crashed, resumed, conflict)
 
 
-@dataclass
-class Copy:
-    home: Path
-    keys: Keys
-
-    @property
-    def repo(self) -> Path:
-        return self.home / "repos" / TASK
-
-    @property
-    def worktree(self) -> Path:
-        return self.home / "worktrees" / RUN
-
-    def cli(self, *args: str, **extra: str) -> Result:
-        return Gitrun(self.home)(*args, **CLI_ENV, **extra)
-
-    def resume(self, **env: str) -> Result:
-        return self.cli("resume", RUN, "--trust-roots", str(self.keys.roots), **env)
+class Copy(RunCopy):
+    RUN = RUN
+    TASK = TASK
+    INBOX = "review"
 
     def decide(self, decision: str, key: str = "bob") -> Result:
         return self.cli("review", "decide", RUN, decision, "--key", str(self.keys[key]))
-
-    def opened(self) -> service.Opened:
-        return service.open_run(RUN, service.Options(Workspace(self.home)))
-
-    def state(self) -> RunState:
-        _, stored = service.load_verified(self.opened())
-        return stored.state
-
-    def chain(self) -> list[RunState]:
-        """Every checkpoint, oldest first."""
-        stored = service.checkpoints(RUN, service.Options(Workspace(self.home)))
-        return [s.state for s in reversed(stored)]
-
-    def tips(self) -> tuple[str, str]:
-        ref, _ = service.load_verified(self.opened())
-        return (
-            git(self.repo, "rev-parse", ref).strip(),
-            git(self.repo, "rev-parse", f"refs/heads/gitrun/{RUN}").strip(),
-        )
-
-    def keys_in_history(self) -> list[str]:
-        fmt = "%(trailers:key=Gitrun-Idempotency-Key,valueonly)"
-        out = git(self.repo, "log", f"--format={fmt}", f"gitrun/{RUN}")
-        return [line for line in out.splitlines() if line.strip()]
-
-    def inbox(self) -> Signed | None:
-        repo = gitstore.open_repo(self.repo)
-        oid = gitstore.read_ref(repo, inbox_ref(RUN, "review"))
-        if oid is None:
-            return None
-        blob = repo[oid]
-        assert isinstance(blob, pygit2.Blob)
-        return decode(Signed, json.loads(blob.data))
-
-    def submit(self, evidence: Signed) -> None:
-        submit(gitstore.open_repo(self.repo), RUN, "review", evidence)
 
     def craft(self, decision: str = "replan", **edits: Any) -> Signed:
         """bob's decision on the open case, some claims edited, then signed."""
@@ -326,6 +256,7 @@ def test_review_show_prints_both_digests_and_both_diffs(ws: Copy) -> None:
     assert f"receipt intent   {case.receipt_digest}" in out
     assert f"receipt print    {case.receipt_fingerprint}" in out
     assert f"environment      {case.environment_version}" in out
+    assert case.receipt is not None
     assert f"commit {case.receipt.commit} tree {case.receipt.tree}" in out
     # Left: the pending patch to stats/median.py; right: what was committed instead.
     assert "+    return (data[mid - 1] + data[mid]) / 2" in out

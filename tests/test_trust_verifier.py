@@ -425,7 +425,9 @@ def test_a_verifier_command_that_cannot_start_ends_the_run_failed_with_a_reason(
 
     for isolation in ("auto", "none"):
         rid = f"nostart-{isolation}"
-        result = gitrun("run", str(task), "--run-id", rid, "--isolation", isolation, timeout=60)
+        result = gitrun.run(
+            ("run", str(task), "--run-id", rid, "--isolation", isolation), timeout=60
+        )
 
         assert result.code == 1, (result.out, result.err)
         assert "/nonexistent" in result.out

@@ -13,13 +13,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, scrub_env, snapshot
+from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, snapshot
+from helpers import CLI_ENV, Keys, Templates, hermetic, make_run
 
 from gitrun.errors import Exit
 from gitrun.witness import SLOT_SIZE
@@ -30,7 +30,6 @@ RUN = "w"
 TASK = "fix-median"
 RISKY = "retire-legacy"
 KILLED = -9
-CLI_ENV = {"PYTHONOPTIMIZE": "1"} if sys.flags.optimize else {}
 
 
 @dataclass(frozen=True)
@@ -75,19 +74,9 @@ class Ws:
         return out
 
 
-def _run(home: Path, base: Path, task: str, code: int) -> None:
-    home.mkdir(parents=True)
-    with pytest.MonkeyPatch.context() as mp:
-        scrub_env(mp, base / "user")
-        res = Gitrun(home)("run", str(SANDBOXES / task), "--run-id", RUN, **CLI_ENV)
-    assert res.code == code, res.err
-
-
 @pytest.fixture(scope="module")
-def done_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("done")
-    _run(base / "home", base, TASK, Exit.DONE)
-    return base / "home"
+def done_home(templates: Templates) -> Path:
+    return templates.run(SANDBOXES / TASK, RUN, Exit.DONE).home
 
 
 @pytest.fixture
@@ -166,27 +155,20 @@ def test_deleting_the_checkpoint_ref_and_resetting_the_branch_never_restarts_the
 
 
 @pytest.fixture(scope="module")
-def approved_home(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def approved_home(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> tuple[Path, Path]:
     """retire-legacy frozen at its risky delete, approved by alice, resumed to done."""
     base = tmp_path_factory.mktemp("approved")
-    _run(base / "home", base, RISKY, Exit.FROZEN)
-    roots = base / "roots.json"
-    with pytest.MonkeyPatch.context() as mp:
-        scrub_env(mp, base / "user")
-        cli = Gitrun(base / "home")
-        made = cli(
-            "keys", "new", "alice", "--role", "approver", "--dir", str(base / "keys"),
-            "--trust-roots", str(roots), **CLI_ENV,
-        )  # fmt: skip
-        assert made.code == 0, made.err
-        approve = cli("approve", RUN, "--key", str(base / "keys" / "alice.key"), **CLI_ENV)
+    home = make_run(base, SANDBOXES / RISKY, RUN, Exit.FROZEN).home
+    with hermetic(base / "user"):
+        cli = Gitrun(home)
+        approve = cli("approve", RUN, "--key", str(keys["alice"]), **CLI_ENV)
         assert approve.code == 0, approve.err
-        inbox = base / "home" / "inbox-evidence"
-        repo = base / "home" / "repos" / RISKY
+        inbox = home / "inbox-evidence"
+        repo = home / "repos" / RISKY
         inbox.write_text(git(repo, "rev-parse", f"refs/gitrun/runs/{RUN}/inbox/approval"))
-        done = cli("resume", RUN, "--trust-roots", str(roots), **CLI_ENV)
+        done = cli("resume", RUN, "--trust-roots", str(keys.roots), **CLI_ENV)
         assert done.code == Exit.DONE, done.err
-    return base / "home", roots
+    return home, keys.roots
 
 
 def _delete_commits(repo: Path) -> list[str]:
