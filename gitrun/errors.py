@@ -29,6 +29,7 @@ class Exit(IntEnum):
     REFUSED = 5  # integrity refusal: checkpoint, environment or receipt does not hold
     LEASE_LOST = 6  # this worker lost its lease mid-run; the new owner carries on
     CONFLICT = 7  # a compare-and-swap lost a race; nothing of the loser is visible
+    AGENT_GONE = 8  # the session's agent left before the run ended; resume continues it
     INTERNAL = 70  # a bug in gitrun (EX_SOFTWARE); GITRUN_DEBUG=1 shows the traceback
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT); the run resumes from its last checkpoint
 
@@ -196,6 +197,12 @@ class Frozen(GitrunError, RuntimeError):
     """The run waits for a human (approval or review); nothing executes until then."""
 
     exit_code = Exit.FROZEN
+
+
+class AgentGone(GitrunError, RuntimeError):
+    """The session's agent closed its pipe or exited before the run ended; resumable."""
+
+    exit_code = Exit.AGENT_GONE
 
 
 class ApprovalRefused(GitrunError, PermissionError):

@@ -157,7 +157,7 @@ class Runtime:
         risk = self.gate.risk(action)
         pending = Pending(
             action=action,
-            key=new_key(),
+            key=self.agent.proposal_key() or new_key(),  # a session client's own key
             intent_digest=action.intent_digest(),
             risk=risk,
             precondition=Precondition(obs.instance_id, obs.head, obs.tree),
