@@ -84,4 +84,6 @@ def _how_it_ended(child: Supervised, command: str) -> str:
         return f"the agent {name} could not start: {why}"
     if code is None:
         return f"the agent {name} was killed"
+    if code < 0:
+        return f"the agent {name} was killed by signal {-code}"
     return f"the agent {name} exited with code {code}"

@@ -192,10 +192,7 @@ def session(
     trust_roots: TrustOpt = None,
     isolation: IsolationOpt = None,
 ) -> None:
-    """Serve a run as JSON-RPC 2.0 lines on stdin/stdout: the caller is its agent.
-
-    An existing --run-id continues (the protocol is in docs/protocol.md); logs go to stderr.
-    """
+    """Serve a run as JSON-RPC 2.0 lines on stdin/stdout: the caller is its agent."""
     opts = _options(
         workspace, key_file, worker_id, lease_seconds, None, False, trust_roots, isolation
     )
