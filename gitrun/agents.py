@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from gitrun.codec import digest, encode
 from gitrun.environment import Observation
 from gitrun.errors import BadInput, TaskError
-from gitrun.records import ACTION_KINDS, Action
+from gitrun.records import ACTION_KINDS, EXEC, Action
 from gitrun.task import Task
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class ScriptAgent:
 
 
 _STEP_KEYS = {"kind", "path", "content", "content_file", "patch_file", "description"}
+_EXEC_KEYS = {"kind", "command", "argv", "cwd", "timeout_seconds", "description"}
 
 
 def load_plan(path: Path, root: Path | None = None) -> ScriptAgent:
@@ -113,13 +114,15 @@ def _step(step: object, i: int, path: Path, base: Path) -> Action:
     where = f"step[{i}]"
     if not isinstance(step, dict):
         raise TaskError(f"{path}: {where} must be a table")
-    unknown = sorted(set(step) - _STEP_KEYS)
+    kind = step.get("kind")
+    unknown = sorted(set(step) - (_EXEC_KEYS if kind == EXEC else _STEP_KEYS))
     if unknown:
         raise TaskError(f"{path}: unknown field {where}.{unknown[0]}")
-    kind = step.get("kind")
     if kind not in ACTION_KINDS:
         raise TaskError(f"{path}: {where}.kind must be one of {ACTION_KINDS}")
     description = str(step.get("description", ""))
+    if kind == EXEC:
+        return _exec_step(step, where, path, description)
     if kind == "apply_patch":
         patch = _read(base, step.get("patch_file"), f"{where}.patch_file", path)
         return Action.of_bytes("apply_patch", patch=patch, description=description)
@@ -135,6 +138,32 @@ def _step(step: object, i: int, path: Path, base: Path) -> Action:
     else:
         raise TaskError(f"{path}: {where} needs content or content_file")
     return Action.of_bytes("write_file", path=target, content=content, description=description)
+
+
+def _exec_step(step: dict[str, object], where: str, path: Path, description: str) -> Action:
+    """``kind = "exec"``: ``command`` (``bash -c``) or ``argv``; ``cwd``, ``timeout_seconds``."""
+    command, argv, cwd = step.get("command"), step.get("argv"), step.get("cwd")
+    timeout = step.get("timeout_seconds")
+    if (command is None) == (argv is None):
+        raise TaskError(f"{path}: {where} needs exactly one of command and argv")
+    if command is not None and not isinstance(command, str):
+        raise TaskError(f"{path}: {where}.command must be a string")
+    if argv is not None and (
+        not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv)
+    ):
+        raise TaskError(f"{path}: {where}.argv must be a non-empty list of strings")
+    if cwd is not None and not isinstance(cwd, str):
+        raise TaskError(f"{path}: {where}.cwd must be a string")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
+        raise TaskError(f"{path}: {where}.timeout_seconds must be a number")
+    return Action(
+        EXEC,
+        description=description,
+        command=command,
+        argv=None if argv is None else tuple(str(a) for a in argv),
+        cwd=cwd,
+        timeout_seconds=None if timeout is None else float(timeout),
+    )
 
 
 def _plan_root(plan: Path, task: Task) -> Path:

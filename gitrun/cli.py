@@ -373,7 +373,10 @@ def review_show(run_id: str, workspace: WorkspaceOpt = None, key_file: KeyFileOp
     typer.echo(f"key              {case.key}")
     typer.echo(f"pending intent   {case.pending_digest}  ({case.action.summary()})")
     typer.echo(f"receipt intent   {case.receipt_digest}")
-    typer.echo(f"receipt          {r.namespace} {r.version} commit {r.commit} tree {r.tree}")
+    if r is None:
+        typer.echo("receipt          none (the command was interrupted; nothing committed)")
+    else:
+        typer.echo(f"receipt          {r.namespace} {r.version} commit {r.commit} tree {r.tree}")
     typer.echo(f"receipt print    {case.receipt_fingerprint}")
     typer.echo(f"environment      {case.environment_version}")
     typer.echo(text.rstrip("\n"))

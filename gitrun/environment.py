@@ -16,10 +16,11 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pygit2
 
@@ -38,8 +39,11 @@ from gitrun.patch import apply_file_patch, parse_patch
 from gitrun.receipts import GitReceiptLog
 from gitrun.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
 from gitrun.receipts import index_ref as index_ref  # noqa: PLC0414 - re-export for callers
-from gitrun.records import Action, Precondition, Receipt
+from gitrun.records import EXEC, Action, Precondition, Receipt
 from gitrun.worktree import INDEX_BASE_FILE, WorktreeFiles
+
+if TYPE_CHECKING:
+    from gitrun.exec_step import ExecContext
 
 INSTANCE_FILE = "gitrun-instance.json"
 AUTHOR = ("gitrun", "gitrun@localhost")
@@ -245,8 +249,19 @@ class Environment(WorktreeFiles):
         precondition: Precondition,
         fence: Fence,
         approval: Approval | None = None,
+        *,
+        shell: ExecContext | None = None,
     ) -> Outcome:
-        """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5."""
+        """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5.
+        An exec step needs ``shell`` (how to run it): :func:`gitrun.exec_step.execute`."""
+        if action.kind == EXEC:
+            from gitrun import exec_step
+
+            if shell is None:
+                raise GitrunError("an exec step needs its execution context")
+            return exec_step.execute(
+                self, action, key, intent_digest, precondition, fence, approval, shell
+            )
         if action.intent_digest() != intent_digest:
             raise Refused(f"intent digest {intent_digest} does not match the action")
         found = self.lookup(key, since=precondition.head)
@@ -384,7 +399,9 @@ class Environment(WorktreeFiles):
         head: pygit2.Commit,
         tree: pygit2.Oid,
         paths: list[str],
+        extra: Sequence[str] = (),
     ) -> pygit2.Oid:
+        """The write commit; ``extra`` trailer lines (an exec's) follow the usual ones."""
         body = " ".join(action.description.split()) or action.summary()
         shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
         lines = [
@@ -400,6 +417,7 @@ class Environment(WorktreeFiles):
             f"Gitrun-Instance: {pre.instance_id}",
             f"Gitrun-Lease: {fence.version}",
             f"Gitrun-Approval: {approval.fingerprint if approval else 'none'}",
+            *extra,
         ]
         sig = pygit2.Signature(*AUTHOR, int(time.time()), 0)
         oid: pygit2.Oid = self.repo.create_commit(

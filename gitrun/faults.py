@@ -23,6 +23,8 @@ POINTS: dict[str, str] = {
     "setup_worktree_added": "setup: branch and worktree made, no instance id yet",
     "before_propose": "window 1: before a proposal; the last checkpoint is complete",
     "after_intent_checkpoint": "window 2: intent persisted, no evidence of the write",
+    "exec_running": "window 2: an exec step's command running (one pass per 20 ms poll)",
+    "exec_done": "window 2: an exec step's command finished, its change not yet committed",
     "after_write_commit_object": "window 2: the commit object exists but no ref points to it",
     "write_ref_locked": "inside the branch ref transaction: ref lock files held, nothing moved",
     "write_ref_moved": "window 3: the branch moved (commit point), receipt index not written",

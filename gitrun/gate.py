@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pygit2
 
-from gitrun import trees
+from gitrun import exec_policy, trees
 from gitrun.errors import GateRejected
 from gitrun.patch import apply_file_patch, changed_line_count, parse_patch, touched_paths
-from gitrun.records import Action, Budgets
+from gitrun.records import EXEC, Action, Budgets
 from gitrun.task import Policy, Task
 
 
@@ -157,6 +157,8 @@ class Gate:
         if action.kind == "apply_patch":
             self._check_patch(action, tree, on_disk)
             return action
+        if action.kind == EXEC:
+            return self._check_exec(action, tree, on_disk)
         path = normalise_path(action.path)
         self.check_path(path, tree, on_disk=on_disk)
         if action.kind == "write_file" and action.content_bytes() is None:
@@ -181,9 +183,13 @@ class Gate:
                 "budget-wall-time", f"{elapsed:.0f}s used of {limits.max_wall_seconds:.0f}s"
             )
 
-    def check_path(self, path: str, tree: pygit2.Tree, *, on_disk: bool = True) -> None:
+    def check_path(
+        self, path: str, tree: pygit2.Tree, *, on_disk: bool = True, link_ok: bool = False
+    ) -> None:
+        """Every path rule; ``link_ok``: ``path`` itself may be a symlink (only its parents
+        may not), as a symlink an exec step made is checked by its own rules."""
         parts = path.split("/")
-        for i in range(1, len(parts) + 1):
+        for i in range(1, len(parts) + (0 if link_ok else 1)):
             prefix = "/".join(parts[:i])
             if trees.entry_mode(tree, prefix) == trees.LINK:
                 raise GateRejected("path-symlink", f"{path} goes through the symlink {prefix}")
@@ -242,6 +248,85 @@ class Gate:
                 on_disk and (self.worktree / prefix).is_symlink()
             ):
                 raise GateRejected("symlink-escape", f"{path} points through the symlink {prefix}")
+
+    def _check_exec(self, action: Action, tree: pygit2.Tree, on_disk: bool) -> Action:
+        """An exec step: one command form, allowed by ``[policy.exec]``, a cwd that is a
+        directory of the tree, a timeout within the policy's; defaults filled in."""
+        shell = self.policy.exec
+        if shell is None:
+            raise GateRejected("action-not-allowed", "the policy has no [policy.exec] table")
+        if action.path or action.content_bytes() is not None or action.patch_bytes() is not None:
+            raise GateRejected("malformed-action", "exec takes a command, not a path or content")
+        if (action.command is None) == (action.argv is None):
+            raise GateRejected("malformed-action", "exec needs exactly one of command and argv")
+        parts = (action.command,) if action.command is not None else (action.argv or ())
+        if not parts or not all(isinstance(p, str) and p and "\x00" not in p for p in parts):
+            raise GateRejected("malformed-action", "the exec command is empty or holds a NUL")
+        text = exec_policy.command_text(action.command, action.argv)
+        denied = shell.denied_by(text)
+        if denied is not None:
+            raise GateRejected("exec-denied", f"{text!r} matches the denied pattern {denied!r}")
+        if not shell.allowed(text):
+            raise GateRejected(
+                "exec-not-allowed", f"{text!r} matches no allowed pattern {list(shell.allow)}"
+            )
+        timeout = (
+            shell.max_timeout_seconds if action.timeout_seconds is None else action.timeout_seconds
+        )
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout <= shell.max_timeout_seconds
+        ):
+            raise GateRejected(
+                "exec-timeout",
+                f"timeout {timeout!r} is not within (0, {shell.max_timeout_seconds:g}] seconds",
+            )
+        env = tuple(shell.env) if action.env is None else tuple(action.env)
+        extra = sorted(set(env) - set(shell.env))
+        if extra:
+            raise GateRejected(
+                "exec-env", f"{extra[0]} is not in policy.exec.env {list(shell.env)}"
+            )
+        cwd = None if action.cwd in (None, "", ".") else self._check_cwd(action.cwd, tree, on_disk)
+        return replace(action, cwd=cwd, timeout_seconds=float(timeout), env=env)
+
+    def _check_cwd(self, raw: str | None, tree: pygit2.Tree, on_disk: bool) -> str:
+        path = normalise_path(raw)
+        parts = path.split("/")
+        for i in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:i])
+            if trees.entry_mode(tree, prefix) == trees.LINK or (
+                on_disk and (self.worktree / prefix).is_symlink()
+            ):
+                raise GateRejected("path-symlink", f"cwd {path} goes through the symlink {prefix}")
+        if trees.entry_mode(tree, path) != trees.TREE:
+            raise GateRejected("exec-cwd", f"cwd {path} is not a directory of the tree")
+        return path
+
+    def check_exec_changes(
+        self, changes: dict[str, tuple[int, pygit2.Oid | None] | None],
+        old: pygit2.Tree, new: pygit2.Tree,
+    ) -> None:  # fmt: skip
+        """Every path an exec step changed, under the rules a write of it would meet: the
+        old path in the old tree, the new one in the new tree; links and special files."""
+        for path, found in sorted(changes.items()):
+            if normalise_path(path) != path:
+                raise GateRejected("path-not-normal", f"the command made {path!r}")
+            if trees.entry_mode(old, path) is not None:
+                self.check_path(path, old, on_disk=False)
+            if found is None:
+                continue
+            if found[0] not in (trees.BLOB, trees.EXEC, trees.LINK):
+                raise GateRejected(
+                    "exec-special-file", f"the command made {path}, neither file nor symlink"
+                )
+            self.check_path(path, new, on_disk=False, link_ok=found[0] == trees.LINK)
+            if found[0] == trees.LINK:
+                obj = trees.entry(new, path)
+                self._check_link(
+                    path, obj.data if isinstance(obj, pygit2.Blob) else b"", new, False
+                )
 
     def risk(self, action: Action) -> str | None:
         """The name of the first risk rule the action matches (it needs approval), or None."""

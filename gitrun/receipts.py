@@ -10,6 +10,7 @@ repository and run; :class:`gitrun.environment.Environment` delegates to it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import pygit2
@@ -18,7 +19,7 @@ from gitrun import gitstore, trees
 from gitrun.contracts import Appended
 from gitrun.errors import EnvironmentDrift, ReceiptConflict, ReceiptDrift
 from gitrun.lease import Fence, fence_guard
-from gitrun.records import ADAPTER_NAMESPACE_PREFIX, ADAPTER_VERSION, Receipt
+from gitrun.records import ADAPTER_NAMESPACE_PREFIX, ADAPTER_VERSION, EXEC, Receipt
 
 
 def branch_ref(run_id: str) -> str:
@@ -74,6 +75,7 @@ class GitReceiptLog:
             lease = int(trailers.get("Gitrun-Lease", "0"))
         except ValueError as exc:
             raise ReceiptDrift("trailer", f"commit {commit.id} has a bad Gitrun-Lease") from exc
+        exit_code, output = _exec_trailers(commit, trailers)
         return Receipt(
             namespace=ADAPTER_NAMESPACE_PREFIX + self.branch,
             version=ADAPTER_VERSION,
@@ -89,6 +91,8 @@ class GitReceiptLog:
             approval=trailers.get("Gitrun-Approval", "none"),
             committed_at=int(commit.commit_time),
             paths=tuple(paths),
+            exit_code=exit_code,
+            output=output,
         )
 
     def lookup(self, key: str, since: str | None = None, *, repair: bool = True) -> Receipt | None:
@@ -216,6 +220,18 @@ class GitReceiptLog:
         if found.intent_digest != receipt.intent_digest:
             raise ReceiptConflict(found, receipt.intent_digest)
         return found, False
+
+
+def _exec_trailers(
+    commit: pygit2.Commit, trailers: dict[str, str]
+) -> tuple[int | None, str | None]:
+    """An exec commit's exit code (None: killed at its timeout) and output blob oid."""
+    if trailers.get("Gitrun-Action") != EXEC:
+        return None, None
+    code, output = trailers.get("Gitrun-Exit-Code", ""), trailers.get("Gitrun-Output", "")
+    if not re.fullmatch(r"[0-9a-f]{40}", output) or not re.fullmatch(r"-?[0-9]+|timeout", code):
+        raise ReceiptDrift("trailer", f"exec commit {commit.id} has bad exit or output trailers")
+    return (None if code == "timeout" else int(code)), output
 
 
 __all__ = ["GitReceiptLog", "branch_ref", "index_ref"]

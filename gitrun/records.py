@@ -17,7 +17,8 @@ SCHEMA_VERSION = 1
 ADAPTER_NAMESPACE_PREFIX = "git:"
 ADAPTER_VERSION = "gitrun-git/1"
 
-ACTION_KINDS = ("write_file", "delete_file", "apply_patch")
+ACTION_KINDS = ("write_file", "delete_file", "apply_patch", "exec")
+EXEC = "exec"
 
 # Phases of a run; a checkpoint names one explicitly.
 RUNNING = "running"
@@ -45,6 +46,14 @@ class Action:
     description: str = ""
     content_b64: str | None = optional_field()
     patch_b64: str | None = optional_field()
+    # exec only: a ``bash -c`` string or an argv (exactly one), the working directory
+    # (relative, inside the worktree), the timeout and the environment variable names
+    # passed through (the gate fills the last two in from the policy).
+    command: str | None = optional_field()
+    argv: tuple[str, ...] | None = optional_field()
+    cwd: str | None = optional_field()
+    timeout_seconds: float | None = optional_field()
+    env: tuple[str, ...] | None = optional_field()
 
     def __post_init__(self) -> None:
         self.content_bytes()  # each payload has one well-formed form, or the record is refused
@@ -77,6 +86,15 @@ class Action:
         """The normalised parameters the intent digest is computed over: a function of the
         bytes only (text when UTF-8, base64 otherwise; the base64 keys appear only then, so
         a UTF-8 action digests exactly as it did before they existed)."""
+        if self.kind == EXEC:
+            return {
+                "kind": self.kind,
+                "command": self.command,
+                "argv": None if self.argv is None else list(self.argv),
+                "cwd": self.cwd,
+                "timeout_seconds": self.timeout_seconds,
+                "env": None if self.env is None else list(self.env),
+            }
         content, content_b64 = _text_or_b64(self.content_bytes())
         patch, patch_b64 = _text_or_b64(self.patch_bytes())
         out: dict[str, Any] = {
@@ -95,6 +113,10 @@ class Action:
         if self.kind == "apply_patch":
             lines = len((self.patch_bytes() or b"").splitlines())
             return f"apply_patch ({lines} diff lines)"
+        if self.kind == EXEC:
+            shown = self.command if self.argv is None else " ".join(self.argv)
+            shown = " ".join((shown or "").split())
+            return f"exec {shown[:60]}" + ("..." if len(shown) > 60 else "")
         return f"{self.kind} {self.path}"
 
 
@@ -143,6 +165,8 @@ class Receipt:
     approval: str  # approval evidence fingerprint, or "none"
     committed_at: int  # committer time of the commit (seconds)
     paths: tuple[str, ...]
+    exit_code: int | None = optional_field()  # exec: the command's exit code (None: killed)
+    output: str | None = optional_field()  # exec: the oid of the bounded output blob
 
     def fingerprint(self) -> str:
         return digest(encode(self))
@@ -250,8 +274,8 @@ class ReviewCase:
     action: Action
     key: str
     pending_digest: str
-    receipt_digest: str
-    receipt: Receipt
+    receipt_digest: str  # "" when there is no receipt (an interrupted exec)
+    receipt: Receipt | None
     receipt_fingerprint: str
     environment_version: str
     reason: str

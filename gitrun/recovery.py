@@ -15,12 +15,16 @@ any drift stops the run with a clear error and never claims a replay.
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import pygit2
 
-from gitrun import gitstore, trees
+from gitrun import exec_step, gitstore, shell, trees
 from gitrun.codec import encode
-from gitrun.errors import EnvironmentDrift, GateRejected, ReceiptDrift
-from gitrun.records import RunState
+from gitrun.errors import EnvironmentDrift, GateRejected, GitrunError, ReceiptDrift
+from gitrun.exec_policy import REVIEW
+from gitrun.records import EXEC, Event, RunState
 from gitrun.runtime import Runtime
 
 
@@ -73,11 +77,7 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
     check_cached_receipt(rt, repair=apply)
     skip = _own_leftovers(rt, apply=apply)
     if str(tip.id) == s.env.head:
-        _require_exact(rt, s, skip)
-        if s.pending is None:
-            return "exact"
-        env.check_writable(s.pending.action, tip.tree)  # a link in its way: refuse now
-        return "intent-without-write"
+        return _at_checkpointed_head(rt, tip, skip, apply=apply)
     if s.pending is not None and _is_pending_write(rt, tip):
         # Through the receipt index, not the tip alone: an index naming another commit
         # (the real receipt, lost to a history rewrite) is drift, and a missing index
@@ -107,6 +107,47 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
         rt.accept(receipt, replayed=True)
         return "write-reconciled"
     raise _classify_drift(env.repo, pygit2.Oid(hex=s.env.head), tip.id)
+
+
+def _at_checkpointed_head(rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool) -> str:
+    """The branch is where the checkpoint left it: windows 1 and 2."""
+    s = rt.state
+    if s.pending is not None and s.pending.action.kind == EXEC:
+        return _exec_interrupted(rt, tip, apply=apply)
+    _require_exact(rt, s, skip)
+    if s.pending is None:
+        return "exact"
+    rt.env.check_writable(s.pending.action, tip.tree)  # a link in its way: refuse now
+    return "intent-without-write"
+
+
+def _exec_interrupted(rt: Runtime, tip: pygit2.Commit, *, apply: bool) -> str:
+    """A pending exec without a receipt: whatever the worktree holds beyond HEAD are the
+    command's unproven partial effects. Put the worktree back to the precondition tree
+    (the discarded paths named in the trace), then run once more under the same key —
+    or, with ``retry = "review"`` and a command that may have started, freeze for review."""
+    s = rt.state
+    p = s.pending
+    if p is None:
+        raise GitrunError("no pending exec")
+    if str(tip.tree_id) != s.env.tree:
+        raise EnvironmentDrift("tree-changed", f"HEAD tree {tip.tree_id} is not {s.env.tree}")
+    if not apply:
+        shell.scan(rt.env.repo, rt.env.worktree, tip.tree)  # readable, or refuse now
+        return "exec-interrupted"
+    discarded = exec_step.put_back(rt.env, tip.tree, rt.lease.fence)
+    shell_policy = rt.task.policy.exec
+    review = shell_policy is not None and shell_policy.retry == REVIEW
+    if review and (discarded or exec_step.may_have_started(rt.env, p.key)):
+        exec_step.open_interrupted_review(rt, discarded)
+        return "exec-interrupted, frozen for review"
+    if not discarded:
+        return "exec-interrupted, nothing to discard; running it again"
+    event = Event("exec_discarded", time.time(), {"key": p.key, "paths": discarded})
+    rt.commit(replace(s).with_events(event))
+    shown = ", ".join(discarded[:10]) + (" ..." if len(discarded) > 10 else "")
+    rt.say(f"exec {p.key} was interrupted: discarded its unproven effects on {shown}")
+    return "exec-interrupted, partial effects discarded; running it again under the same key"
 
 
 def _own_leftovers(rt: Runtime, *, apply: bool) -> list[str]:
@@ -167,6 +208,9 @@ def _is_pending_write(rt: Runtime, tip: pygit2.Commit) -> bool:
         raise EnvironmentDrift(
             "foreign-commit", f"{tip.id} carries the key but not the intent's trailers"
         )
+    if p.action.kind == EXEC:  # its tree is known only from the commit: gate every path
+        exec_step.tip_is_pending_exec(rt.env, rt.gate, tip)
+        return True
     parent_tree = tip.parents[0].tree
     expected = trees.tree_with_changes(
         rt.env.repo, parent_tree, rt.env.plan_changes(p.action, parent_tree)

@@ -29,11 +29,13 @@ from gitrun.errors import (
     ReceiptConflict,
     ReceiptDrift,
 )
+from gitrun.exec_step import ExecContext, ExecRefused
 from gitrun.gate import Gate
 from gitrun.lease import LeaseManager
 from gitrun.records import (
     AWAITING_APPROVAL,
     DONE,
+    EXEC,
     FAILED,
     NEEDS_REVIEW,
     RUNNING,
@@ -49,6 +51,7 @@ from gitrun.records import (
     new_key,
 )
 from gitrun.sandbox import CommandCannotStart, Confinement
+from gitrun.shell import Hidden
 from gitrun.task import Task
 from gitrun.verifier import Secrets, VerifierResult, verify_tree
 
@@ -235,14 +238,29 @@ class Runtime:
             self._abandon(exc)
             return
         approval = self.approvals.binding(self, p) if p.risk is not None else None
+        shell = self.exec_context() if p.action.kind == EXEC else None
         try:
             outcome = self.env.execute(
-                p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval
-            )
+                p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval,
+                shell=shell,
+            )  # fmt: skip
         except ReceiptConflict as conflict:
             self.open_review(conflict.receipt, "same idempotency key, different intent digest")
             return
+        except ExecRefused as exc:  # the command's change broke a rule; the worktree is back
+            self._abandon(exc)
+            return
         self.accept(outcome.receipt, replayed=outcome.replayed)
+
+    def exec_context(self) -> ExecContext:
+        """How an exec step runs: confined as the verifier is, the lease kept renewed."""
+        hide = self._secrets()
+        return ExecContext(
+            self.gate,
+            self._confinement(),
+            Hidden(hide.dirs, hide.files),
+            heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
+        )
 
     def _abandon(self, exc: GateRejected) -> None:
         """Drop a pending action the gate refuses at execute time: the run goes on."""

@@ -557,13 +557,12 @@ def review_case(run_id: str, opts: Options) -> tuple[RunState, str]:
     base = opened.repo.get(state.pending.precondition.head)
     tree = base.tree if isinstance(base, pygit2.Commit) else opened.env.head().tree
     left = action_diff(opened.repo, case.action, tree)
-    right = commit_diff(opened.repo, case.receipt.commit)
-    text = side_by_side(
-        f"pending intent {case.pending_digest[:23]}",
-        left,
-        f"committed receipt {case.receipt.commit[:12]} {case.receipt_digest[:23]}",
-        right,
-    )
+    if case.receipt is None:  # an interrupted exec: nothing was committed
+        title, right = "no receipt", case.reason + "\n"
+    else:
+        title = f"committed receipt {case.receipt.commit[:12]} {case.receipt_digest[:23]}"
+        right = commit_diff(opened.repo, case.receipt.commit)
+    text = side_by_side(f"pending intent {case.pending_digest[:23]}", left, title, right)
     return state, text
 
 

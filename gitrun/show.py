@@ -15,6 +15,8 @@ def action_diff(repo: pygit2.Repository, action: Action, tree: pygit2.Tree) -> s
     """The unified diff ``action`` would make against ``tree``."""
     if action.kind == "apply_patch":
         return (action.patch_bytes() or b"").decode("utf-8", "replace")
+    if action.kind == "exec":  # its change is known only once it has run
+        return f"$ {action.summary().removeprefix('exec ')} (cwd {action.cwd or '.'})\n"
     path = action.path or "?"
     old = trees.blob_bytes(repo, tree, path) if action.path else None
     old_lines = (old or b"").decode("utf-8", "replace").splitlines(keepends=True)

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gitrun import exec_policy
 from gitrun.codec import digest, encode
 from gitrun.errors import TaskError
-from gitrun.records import ACTION_KINDS
+from gitrun.exec_policy import ExecPolicy
+from gitrun.records import ACTION_KINDS, EXEC
 from gitrun.verifier import VerifierSpec
 
 TASK_FILE = "task.toml"
@@ -29,7 +31,7 @@ _SHAPE: dict[str, tuple[set[str], set[str]]] = {
     "initial": (set(), {"repo", "message", "path", "commit"}),
     "policy": (
         {"id", "version", "allowed_actions", "write_allowlist"},
-        {"forbidden_paths", "risk", "allow_symlinks"},
+        {"forbidden_paths", "risk", "allow_symlinks", "exec"},
     ),
     "verifier": (
         {"command", "fail_to_pass", "pass_to_pass"},
@@ -60,6 +62,7 @@ class Policy:
     forbidden_paths: tuple[str, ...]
     risk: tuple[RiskRule, ...]
     allow_symlinks: bool = False  # a patch may create symlinks (that resolve inside)
+    exec: ExecPolicy | None = None  # [policy.exec]: required when exec is allowed
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,11 @@ class Task:
         p = self.policy
         return {
             "task": digest({"id": self.id, "version": self.version}),
-            "policy": digest({"id": p.id, "version": p.version, "risk": encode(p.risk)}),
+            "policy": digest(
+                {"id": p.id, "version": p.version, "risk": encode(p.risk)}
+                # only when present, so every scenario without exec keeps its digest
+                | ({"exec": encode(p.exec)} if p.exec is not None else {})
+            ),
             "permissions": digest(list(p.allowed_actions)),
             "allowlist": digest(
                 {"allow": list(p.write_allowlist), "forbid": list(p.forbidden_paths)}
@@ -230,6 +237,14 @@ def _policy(p: dict[str, Any], path: Path) -> Policy:
         raise _fail(path, "policy.allow_symlinks must be true or false")
     if not isinstance(risk, list):
         raise _fail(path, "policy.risk must be an array of tables [[policy.risk]]")
+    shell = exec_policy.parse(p["exec"], path) if "exec" in p else None
+    if (EXEC in actions) != (shell is not None):
+        raise _fail(
+            path,
+            "policy.allowed_actions has exec but there is no [policy.exec] table (allow = [...])"
+            if shell is None
+            else "[policy.exec] is set but policy.allowed_actions does not allow exec",
+        )
     return Policy(
         id=_label(p, "id", "policy", path),
         version=_label(p, "version", "policy", path),
@@ -238,6 +253,7 @@ def _policy(p: dict[str, Any], path: Path) -> Policy:
         forbidden_paths=_strs(p, "forbidden_paths", "policy", path),
         risk=tuple(_risk(r, i, path) for i, r in enumerate(risk)),
         allow_symlinks=symlinks,
+        exec=shell,
     )
 
 

@@ -1,0 +1,3 @@
+from geometry.shapes import calc_area, square_area
+
+__all__ = ["calc_area", "square_area"]
