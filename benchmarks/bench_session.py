@@ -20,11 +20,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import _common as c
 
 from gitrun.jsonrpc import Eof, Timeout, Transport
+from gitrun.records import ACTION_KINDS
 
 WARMUP = 5
 
@@ -80,6 +82,7 @@ def measure(rounds: int) -> dict[str, c.Stats | None]:
         # make_repo leaves the main worktree empty; `gitrun session` wants a clean one
         subprocess.run(["git", "-C", str(tmp / "repo"), "checkout", "-qf", "main"], check=True)
         task = c.make_task(tmp / "task", tmp / "repo", base)
+        _allow_exec_of_true(Path(task.task_dir) / "task.toml")
         home = tmp / "home"
         home.mkdir()
         client = Client(task.task_dir, str(home))
@@ -111,6 +114,20 @@ def measure(rounds: int) -> dict[str, c.Stats | None]:
         finally:
             client.close()
     return {k: (c.stats(v) if v else None) for k, v in samples.items()}
+
+
+def _allow_exec_of_true(toml: Path) -> None:
+    """The shared bench task, with exec allowed for ``true`` (when this build has exec)."""
+    text = toml.read_text()
+    if "exec" not in ACTION_KINDS:
+        return
+    text = text.replace('"apply_patch"]', '"apply_patch", "exec"]')
+    text = text.replace(
+        'forbidden_paths = ["tests/**"]\n',
+        'forbidden_paths = ["tests/**"]\n\n'
+        '[policy.exec]\nallow = ["true"]\nmax_timeout_seconds = 30\n',
+    )
+    toml.write_text(text)
 
 
 def _ok(answer: tuple[int, dict[str, Any]]) -> int:

@@ -74,6 +74,7 @@ class Runtime:
     approvals: Approvals
     isolation: str | None = None  # the command line's --isolation; None: the task's
     secrets: Secrets = field(default_factory=Secrets)  # hidden from the code under test
+    abandoned: GateRejected | None = None  # why the last pending action was dropped (sessions)
 
     def __post_init__(self) -> None:
         self._segment_start = time.time()
@@ -268,6 +269,7 @@ class Runtime:
         p = s.pending
         if p is None:
             raise GitrunError("no pending action to abandon")
+        self.abandoned = exc
         data = {"rule": exc.rule, "message": exc.message, "action": p.action.summary()}
         event = Event("gate_rejected", time.time(), {**data, "key": p.key, "at": "execute"})
         self.say(f"gate rejected pending {p.action.summary()}: {exc.message}; abandoned")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pygit2
 
-from gitrun import jsonrpc, session_read
+from gitrun import exec_step, jsonrpc, session_read
 from gitrun.agents import Finish, ScriptAgent
 from gitrun.codec import digest, encode
 from gitrun.environment import Observation
@@ -37,6 +37,7 @@ from gitrun.gate import normalise_path
 from gitrun.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 from gitrun.records import (
     AWAITING_APPROVAL,
+    EXEC,
     NEEDS_REVIEW,
     RUNNING,
     TERMINAL,
@@ -55,6 +56,7 @@ KEY_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{7,79}"  # a ref name component, as git
 _KEY = re.compile(KEY_PATTERN + r"\Z")
 MAX_RECENT_RECEIPTS = 10
 MAX_OUTPUT_TAIL = 8000
+OUTPUT_CUT = b"[gitrun: output truncated"  # the note gitrun.shell puts into a cut output
 MUTATING = ("write_file", "delete_file", "apply_patch", "exec")
 READ_ONLY = ("initialize", "observe", "read_file", "list_files", "search", "run_tests", "finish")
 
@@ -200,18 +202,14 @@ def check_params(method: str, params: dict[str, Any]) -> None:
 
 
 def exec_action(params: dict[str, Any]) -> Action:
-    """The ``exec`` action of a request: refused until exec steps exist in this build.
-
-    The one place the exec step plugs in (``Action(kind="exec", command=..., argv=...,
-    cwd=..., timeout_seconds=...)``)."""
-    del params
-    raise GateRejected("action-not-allowed", "exec steps are not available in this gitrun build")
-
-
-def exec_extras(receipt: Receipt) -> dict[str, Any]:
-    """What an exec result adds to the receipt (exit code, bounded output): none yet."""
-    del receipt
-    return {}
+    """The ``exec`` action of a request: a ``bash -c`` string or an argv list."""
+    command, cwd, timeout = params["command"], params.get("cwd"), params.get("timeout_seconds")
+    seconds = None if timeout is None else float(timeout)
+    if isinstance(command, list):
+        if not command or not all(isinstance(a, str) for a in command):
+            raise RpcError(INVALID_PARAMS, "exec: command must be a string or a list of strings")
+        return Action(EXEC, argv=tuple(command), cwd=cwd, timeout_seconds=seconds)
+    return Action(EXEC, command=command, cwd=cwd, timeout_seconds=seconds)
 
 
 def error_of(exc: GitrunError, state: RunState) -> RpcError:
@@ -445,6 +443,7 @@ class Session:
                 return replayed
         checked = rt.gate.check_action(action, self._tree())  # refused: nothing is written
         writes = rt.env.write_count
+        rt.abandoned = None
         self.agent.slot.put(checked, key)
         rt.step()
         s = rt.state
@@ -462,10 +461,10 @@ class Session:
             )
         last = s.receipts.last
         if s.pending is not None or last is None or last.key != pending_key:
-            raise GateRejected("refused-at-execute", f"the write for {pending_key} was abandoned")
+            raise rt.abandoned or GateRejected("refused", f"the step {pending_key} was abandoned")
         if self.keys is not None:
             self.keys[last.key] = last
-        return {**receipt_json(last, replayed=rt.env.write_count == writes), **exec_extras(last)}
+        return {**receipt_json(last, replayed=rt.env.write_count == writes), **self._extras(last)}
 
     def _replay(self, action: Action, key: str) -> dict[str, Any] | None:
         """The original receipt of a client key with the same intent; None to step on
@@ -478,9 +477,30 @@ class Session:
         if key not in self.keys:
             return None
         found = rt.env.lookup(key) or self.keys[key]  # re-read; rebuilds a lost index ref
-        if found.intent_digest == _digest(action):
-            return {**receipt_json(found, replayed=True), **exec_extras(found)}
+        if found.intent_digest == self._normalised(action).intent_digest():
+            return {**receipt_json(found, replayed=True), **self._extras(found)}
         return None
+
+    def _normalised(self, action: Action) -> Action:
+        """The action as the gate would record it (clean path; exec's defaults filled in)
+        without the checks that depend on HEAD: a retried delete has nothing left to delete."""
+        if action.kind == EXEC:
+            return self.rt.gate.check_action(action, self._tree(), on_disk=False)
+        if action.path is not None:
+            return replace(action, path=normalise_path(action.path))
+        return action
+
+    def _extras(self, receipt: Receipt) -> dict[str, Any]:
+        """What an exec result adds to its receipt: the exit code and the kept output."""
+        if receipt.action != EXEC:
+            return {}
+        data = exec_step.output_of(self.rt.env.repo, receipt) or b""
+        return {
+            "exit_code": receipt.exit_code,
+            "output": data.decode("utf-8", "replace"),
+            "output_truncated": OUTPUT_CUT in data,
+            "output_blob": receipt.output,
+        }
 
     def _require_running(self) -> None:
         s = self.rt.state
@@ -541,10 +561,3 @@ class Session:
             "head": {"commit": s.env.head, "tree": s.env.tree},
             "verifier": None if s.verifier is None else {**encode(s.verifier), "final": True},
         }
-
-
-def _digest(action: Action) -> str:
-    """The intent digest of ``action`` as the gate would normalise it."""
-    if action.path is not None:
-        action = replace(action, path=normalise_path(action.path))
-    return action.intent_digest()

@@ -95,7 +95,7 @@ def test_every_method_answers_over_a_real_session_as_its_schema_says(gitrun: Git
     assert gone["parent"] == note["commit"]
     fixed = rpc.call("apply_patch", patch=FIX)
     assert fixed["paths"] == ["stats/median.py"]
-    err = rpc.fail("exec", command="true")
+    err = rpc.fail("exec", command="true")  # the policy has no [policy.exec]
     assert err["data"]["rule"] == "action-not-allowed"
     assert err["data"]["exit_code"] == 5
 
@@ -214,6 +214,34 @@ def test_malformed_input_never_kills_the_session_nor_changes_the_run(gitrun: Git
     assert rpc.close() == 8
 
 
+def test_exec_over_the_session_commits_the_commands_change_as_one_receipt(
+    gitrun: Gitrun,
+) -> None:
+    rpc = Rpc(gitrun, str(SANDBOXES / "rename-api"), "--run-id", "s-exec")
+    assert "exec" in rpc.call("initialize")["tools"]
+    repo = gitrun.repo("rename-api")
+    denied = rpc.fail("exec", command="sed -i 's/a/b/' tests/test_rename.py")
+    assert denied["data"]["rule"] == "exec-denied"
+    outside = rpc.fail("exec", command="sed -i 's/geometry/geo/' pyproject.toml")
+    assert outside["data"]["rule"] == "path-not-allowlisted"
+    assert "put back" in outside["message"]
+    assert branch_keys(repo, "s-exec") == []
+    worktree = Path(str(status(gitrun, "s-exec")["worktree"]))
+    assert git(worktree, "status", "--porcelain") == ""  # the worktree was restored
+    sed = "sed -i 's/calc_area/circle_area/g' geometry/*.py"
+    done = rpc.call("exec", command=sed, idempotency_key="rename-sed-0001")
+    assert done["exit_code"] == 0
+    assert done["replayed"] is False
+    assert len(done["paths"]) == 4
+    assert git(repo, "show", done["output_blob"]) == done["output"]
+    again = rpc.call("exec", command=sed, idempotency_key="rename-sed-0001")
+    assert again == {**done, "replayed": True}
+    assert rpc.call("search", pattern="calc_area", glob="geometry/**")["matches"] == []
+    assert rpc.call("finish")["phase"] == "done"
+    assert rpc.close() == 0
+    assert branch_keys(repo, "s-exec") == ["rename-sed-0001"]
+
+
 # -- idempotency keys -------------------------------------------------------------------
 
 
@@ -288,8 +316,9 @@ def test_reusing_a_key_for_another_intent_freezes_the_run_for_review(gitrun: Git
             f"sh {ROOT / 'examples/agents/config_agent.sh'} "
             f"{SANDBOXES / 'guarded-config' / 'patches'}",
         ),
+        ("rename-api", f"sh {ROOT / 'examples/agents/rename_agent.sh'}"),
     ],
-    ids=["python", "posix-sh"],
+    ids=["python", "posix-sh", "posix-sh-exec"],
 )
 def test_the_example_agents_solve_their_sandboxes(
     gitrun: Gitrun, sandbox: str, command: str
