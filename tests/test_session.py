@@ -428,3 +428,52 @@ def test_problems_finds_what_breaks_a_schema() -> None:
     ]
     error = {"code": 1, "message": "m", "data": {"rule": "r", "message": "m", "exit_code": -1}}
     assert problems(error, defs["error"], defs) == ["$.data.exit_code: -1 < 0"]
+
+
+def _processes_running(needle: str) -> list[int]:
+    """Live processes whose command line mentions ``needle``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if needle in cmdline and _alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize(
+    "point", ["exec_running", "exec_done", "write_ref_moved", "after_file_sync"]
+)
+def test_gitrun_killed_during_an_agents_exec_resumes_to_the_uninterrupted_tree(
+    gitrun: Gitrun, tmp_path: Path, point: str
+) -> None:
+    script = tmp_path / "rename_agent.sh"  # a private copy: its path names this test's agent
+    script.write_bytes((ROOT / "examples/agents/rename_agent.sh").read_bytes())
+    agent = f"cmd:sh {script}"
+    task = str(SANDBOXES / "rename-api")
+    assert gitrun("run", task, "--agent", agent, "--run-id", "ref").code == 0
+    repo = gitrun.repo("rename-api")
+    crashed = gitrun("run", task, "--agent", agent, "--run-id", "cut", GITRUN_CRASH_AT=point)
+    assert crashed.code == -signal.SIGKILL, crashed.err
+    deadline = time.monotonic() + 5
+    while _processes_running(str(script)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_running(str(script)) == [], "the agent outlived gitrun"
+    resumed = gitrun("resume", "cut", "--takeover-after", "0")
+    assert resumed.code == 0, resumed.err
+    assert branch_keys(repo, "cut") == ["rename-agent-sed-1"]
+    assert tree_of(repo, "cut") == tree_of(repo, "ref")
+
+
+def test_the_session_keeps_its_lease_alive_while_the_agent_thinks(gitrun: Gitrun) -> None:
+    rpc = Rpc(gitrun, str(SANDBOXES / "fix-median"), "--run-id", "s-idle", "--lease-seconds", "1")
+    rpc.call("observe")
+    time.sleep(2.5)  # idle: two and a half leases
+    other = gitrun("resume", "s-idle", "--worker-id", "intruder")
+    assert other.code == 4, other.err  # the lease is still live: nobody takes the run over
+    assert rpc.call("apply_patch", patch=FIX)["replayed"] is False
+    assert rpc.call("finish")["phase"] == "done"
+    assert rpc.close() == 0
