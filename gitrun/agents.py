@@ -176,7 +176,7 @@ def _plan_root(plan: Path, task: Task) -> Path:
 def load_agent(spec: str, task: Task) -> tuple[ScriptAgent, str]:
     """The agent named by ``spec`` and the spec to record (absolute paths) for resume."""
     if spec == "session" or spec.startswith("cmd:"):
-        from gitrun.session import session_agent
+        from gitrun.session_agent import session_agent
 
         return session_agent(spec), spec
     if spec == "plan":

@@ -10,29 +10,16 @@ seed's conflict and the run goes to ``needs_review``. ``docs/protocol.md`` is th
 
 from __future__ import annotations
 
-import os
-import re
-import shlex
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pygit2
 
 from gitrun import exec_step, jsonrpc, session_read
-from gitrun.agents import Finish, ScriptAgent
-from gitrun.codec import digest, encode
-from gitrun.environment import Observation
-from gitrun.errors import (
-    AgentGone,
-    BadInput,
-    Frozen,
-    GateRejected,
-    GitrunError,
-    LeaseLost,
-    ReceiptConflict,
-)
+from gitrun.agents import Finish
+from gitrun.codec import encode
+from gitrun.errors import AgentGone, Frozen, GateRejected, GitrunError, LeaseLost
 from gitrun.gate import normalise_path
 from gitrun.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 from gitrun.records import (
@@ -46,189 +33,25 @@ from gitrun.records import (
     RunState,
 )
 from gitrun.sandbox import CommandCannotStart
+from gitrun.session_rpc import (
+    KEY_PATTERN,
+    MUTATING,
+    PROTOCOL,
+    check_key,
+    check_params,
+    error_of,
+    exec_action,
+    receipt_json,
+)
 from gitrun.verifier import verify_tree
 
 if TYPE_CHECKING:
     from gitrun.runtime import Runtime
+    from gitrun.session_agent import SessionAgent
 
-PROTOCOL = "gitrun/1"
-KEY_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{7,79}"  # a ref name component, as gitrun's own keys
-_KEY = re.compile(KEY_PATTERN + r"\Z")
 MAX_RECENT_RECEIPTS = 10
 MAX_OUTPUT_TAIL = 8000
 OUTPUT_CUT = b"[gitrun: output truncated"  # the note gitrun.shell puts into a cut output
-MUTATING = ("write_file", "delete_file", "apply_patch", "exec")
-READ_ONLY = ("initialize", "observe", "read_file", "list_files", "search", "run_tests", "finish")
-
-# method -> {param: (type, required)}; unknown params are refused (-32602)
-PARAMS: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
-    "initialize": {"client": (dict, False), "protocol": (str, False)},
-    "observe": {},
-    "read_file": {"path": (str, True), "start_line": (int, False), "end_line": (int, False)},
-    "list_files": {"glob": (str, False)},
-    "search": {"pattern": (str, True), "glob": (str, False), "regex": (bool, False)},
-    "write_file": {"path": (str, True), "content": (str, True), "idempotency_key": (str, False)},
-    "delete_file": {"path": (str, True), "idempotency_key": (str, False)},
-    "apply_patch": {"patch": (str, True), "idempotency_key": (str, False)},
-    "exec": {
-        "command": ((str, list), True),
-        "cwd": (str, False),
-        "timeout_seconds": ((int, float), False),
-        "idempotency_key": (str, False),
-    },
-    "run_tests": {},
-    "finish": {},
-}
-
-
-class _Slot:
-    """The decision the session hands the runtime for its next ``step()``."""
-
-    def __init__(self) -> None:
-        self.decision: Action | Finish | None = None
-        self.key: str | None = None
-
-    def put(self, decision: Action | Finish, key: str | None) -> None:
-        self.decision, self.key = decision, key
-
-    def take(self) -> Action | Finish:
-        decision = self.decision
-        if decision is None:
-            raise GitrunError("the session stepped the runtime without a request")
-        self.decision = None
-        return decision
-
-
-@dataclass(frozen=True)
-class SessionAgent(ScriptAgent):
-    """The agent of a session run: proposes what the current request asks, nothing else.
-
-    ``spec`` is ``session`` (the protocol on this process's stdin/stdout) or
-    ``cmd:COMMAND`` (gitrun spawns COMMAND and serves it over the child's pipes)."""
-
-    name: str = "session"
-    actions: tuple[Action, ...] = ()
-    spec: str = "session"
-    slot: _Slot = field(default_factory=_Slot, compare=False, repr=False)
-
-    @property
-    def identity(self) -> str:
-        if self.spec == "session":
-            return "session"
-        return f"session:cmd:{digest(self.spec)}"
-
-    def propose(self, observation: Observation, cursor: int) -> Action | Finish:
-        del observation, cursor
-        return self.slot.take()
-
-    def is_last(self, cursor: int) -> bool:
-        del cursor
-        return False  # a refused request never ends a session run: the agent decides again
-
-    def proposal_key(self) -> str | None:
-        return self.slot.key
-
-    def drive(self, rt: Runtime) -> RunState:
-        """Serve the protocol until ``finish`` or until the agent leaves."""
-        if self.spec == "session":
-            return Session(rt, self, stdio_transport()).serve()
-        from gitrun.agentproc import serve_child
-
-        return serve_child(self.spec.removeprefix("cmd:"), lambda t: Session(rt, self, t).serve())
-
-
-def session_agent(spec: str) -> SessionAgent:
-    """The session agent for ``session`` or ``cmd:COMMAND`` (checked: shlex-split, not empty)."""
-    if spec.startswith("cmd:"):
-        try:
-            argv = shlex.split(spec.removeprefix("cmd:"))
-        except ValueError as exc:
-            raise BadInput(f"--agent {spec!r}: cannot split the command: {exc}") from exc
-        if not argv:
-            raise BadInput("--agent cmd: names no command; use --agent cmd:'python3 agent.py'")
-    return SessionAgent(spec=spec)
-
-
-def stdio_transport() -> jsonrpc.Transport:
-    """The protocol on stdin/stdout; anything else this process prints goes to stderr."""
-    sys.stdout.flush()
-    out = os.dup(1)
-    os.dup2(2, 1)
-    return jsonrpc.Transport(0, out)
-
-
-def receipt_json(receipt: Receipt, *, replayed: bool | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "commit": receipt.commit,
-        "tree": receipt.tree,
-        "parent": receipt.parent,
-        "key": receipt.key,
-        "intent_digest": receipt.intent_digest,
-        "action": receipt.action,
-        "paths": list(receipt.paths),
-    }
-    if replayed is not None:
-        out["replayed"] = replayed
-    return out
-
-
-def check_key(key: object) -> str | None:
-    """A client idempotency key: None, or a string of gitrun's key syntax (else -32602)."""
-    if key is None:
-        return None
-    if not isinstance(key, str) or not _KEY.match(key) or ".." in key or key.endswith(".lock"):
-        raise RpcError(
-            INVALID_PARAMS,
-            f"idempotency_key must match {KEY_PATTERN} (no '..', not ending in .lock)",
-        )
-    return key
-
-
-def check_params(method: str, params: dict[str, Any]) -> None:
-    spec = PARAMS[method]
-    unknown = sorted(set(params) - set(spec))
-    if unknown:
-        raise RpcError(INVALID_PARAMS, f"{method} takes no parameter {unknown[0]!r}")
-    for name, (kind, required) in spec.items():
-        value = params.get(name)
-        if value is None:
-            if required:
-                raise RpcError(INVALID_PARAMS, f"{method} needs the parameter {name!r}")
-            continue
-        if isinstance(value, bool) and kind is not bool:
-            raise RpcError(INVALID_PARAMS, f"{method}: {name} has the wrong type")
-        if not isinstance(value, kind):
-            raise RpcError(INVALID_PARAMS, f"{method}: {name} has the wrong type")
-
-
-def exec_action(params: dict[str, Any]) -> Action:
-    """The ``exec`` action of a request: a ``bash -c`` string or an argv list."""
-    command, cwd, timeout = params["command"], params.get("cwd"), params.get("timeout_seconds")
-    seconds = None if timeout is None else float(timeout)
-    if isinstance(command, list):
-        if not command or not all(isinstance(a, str) for a in command):
-            raise RpcError(INVALID_PARAMS, "exec: command must be a string or a list of strings")
-        return Action(EXEC, argv=tuple(command), cwd=cwd, timeout_seconds=seconds)
-    return Action(EXEC, command=command, cwd=cwd, timeout_seconds=seconds)
-
-
-def error_of(exc: GitrunError, state: RunState) -> RpcError:
-    """A gitrun error as a JSON-RPC error: the family's rule and exit code in ``data``."""
-    rule = "gitrun"
-    code = jsonrpc.GITRUN_ERROR
-    if isinstance(exc, GateRejected):
-        rule, code = exc.rule, -32001
-    elif isinstance(exc, Frozen | ReceiptConflict):
-        rule, code = state.phase.replace("_", "-"), -32002
-    else:
-        reason = getattr(exc, "reason", None)
-        rule = reason if isinstance(reason, str) else _kebab(type(exc).__name__)
-    data = {"rule": rule, "message": exc.message, "exit_code": int(exc.exit_code)}
-    return RpcError(code, exc.message, data)
-
-
-def _kebab(name: str) -> str:
-    return re.sub(r"(?<!^)([A-Z])", r"-\1", name).lower()
 
 
 class Session:

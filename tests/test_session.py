@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, SANDBOXES, Gitrun, git, snapshot
 from session_client import Rpc, load_schemas, problems
 
-from gitrun import session
+from gitrun import session_rpc
 
 FIX = (SANDBOXES / "fix-median" / "patches" / "fix.diff").read_text()
 AGENTS = Path(__file__).resolve().parent / "session_agents"
@@ -53,10 +53,10 @@ def tree_of(repo: Path, run_id: str) -> str:
 
 def test_the_spec_has_a_params_and_a_result_schema_for_every_method() -> None:
     schemas, defs = load_schemas()
-    for method in session.PARAMS:
+    for method in session_rpc.PARAMS:
         assert f"{method}.params" in schemas, method
         assert f"{method}.result" in schemas, method
-    assert defs["key"]["pattern"] == f"^{session.KEY_PATTERN}$"
+    assert defs["key"]["pattern"] == f"^{session_rpc.KEY_PATTERN}$"
 
 
 # -- every method through a real session ------------------------------------------------
