@@ -92,10 +92,12 @@ class Rpc:
 
     opened: ClassVar[list[Rpc]] = []  # reaped after each test (see :func:`reap_all`)
 
-    def __init__(self, gitrun: Gitrun, *args: str, timeout: float = 60, **env: str) -> None:
+    def __init__(
+        self, gitrun: Gitrun, *args: str, command: str = "session", timeout: float = 60, **env: str
+    ) -> None:
         self.log = (gitrun.home.parent / f"session-{id(self)}.log").open("w+b")
         self.proc = subprocess.Popen(
-            gitrun.argv("session", *args),
+            gitrun.argv(command, *args),  # `gitrun resume` of a session run serves too
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,

@@ -242,6 +242,35 @@ def test_exec_over_the_session_commits_the_commands_change_as_one_receipt(
     assert branch_keys(repo, "s-exec") == ["rename-sed-0001"]
 
 
+def test_a_risky_request_waits_for_approval_and_resume_serves_it_executed(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    rpc = Rpc(gitrun, str(SANDBOXES / "retire-legacy"), "--run-id", "s-risk")
+    err = rpc.fail("delete_file", path="units/legacy.py", idempotency_key="retire-legacy-1")
+    assert err["data"]["rule"] == "awaiting-approval"
+    assert "gitrun approve s-risk" in err["message"]
+    seen = rpc.call("observe")  # the session goes on serving reads
+    assert seen["pending"]["key"] == "retire-legacy-1"
+    assert seen["pending"]["risk"] == "deleting a module"
+    assert rpc.close() == 3
+    roots = tmp_path / "roots.json"
+    made = gitrun("keys", "new", "alice", "--role", "approver", "--dir", str(tmp_path),
+                  "--trust-roots", str(roots))  # fmt: skip
+    assert made.code == 0, made.err
+    approved = gitrun("approve", "s-risk", "--key", str(tmp_path / "alice.key"),
+                      "--trust-roots", str(roots))  # fmt: skip
+    assert approved.code == 0, approved.err
+    again = Rpc(gitrun, "s-risk", "--trust-roots", str(roots), command="resume")
+    after = again.call("observe")  # the approved intent ran before the first request
+    assert after["receipts"][0]["key"] == "retire-legacy-1"
+    assert after["pending"] is None
+    retry = again.call("delete_file", path="units/legacy.py", idempotency_key="retire-legacy-1")
+    assert retry["replayed"] is True  # the file is gone, the key still answers
+    assert retry["commit"] == after["head"]["commit"]
+    assert again.close() == 8
+    assert branch_keys(gitrun.repo("retire-legacy"), "s-risk") == ["retire-legacy-1"]
+
+
 # -- idempotency keys -------------------------------------------------------------------
 
 
