@@ -19,7 +19,7 @@ import pygit2
 from gitrun import exec_step, jsonrpc, session_read
 from gitrun.agents import Finish
 from gitrun.codec import encode
-from gitrun.errors import AgentGone, Frozen, GateRejected, GitrunError, LeaseLost
+from gitrun.errors import AgentGone, Exit, Frozen, GateRejected, GitrunError, LeaseLost
 from gitrun.gate import normalise_path
 from gitrun.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 from gitrun.records import (
@@ -125,7 +125,7 @@ class Session:
             answer = jsonrpc.error(req.id, err)
         except GitrunError as exc:
             answer = jsonrpc.error(req.id, error_of(exc, self.rt.state))
-            if isinstance(exc, LeaseLost) or exc.exit_code == 70:
+            if isinstance(exc, LeaseLost) or exc.exit_code == Exit.INTERNAL:
                 self.transport.send(answer)
                 raise
         except Exception as exc:

@@ -372,11 +372,11 @@ def test_an_agent_process_sees_no_gitrun_variables(gitrun: Gitrun, tmp_path: Pat
 
 # -- crashes -------------------------------------------------------------------------------
 
-STEPS = 5
+STEPS = 6
 
 
 def _steps_agent(pidfile: Path) -> str:
-    return f"cmd:{sys.executable} {AGENTS / 'steps_agent.py'} {pidfile} {STEPS} 0.05"
+    return f"cmd:{sys.executable} {AGENTS / 'steps_agent.py'} {pidfile} {STEPS} 0.15"
 
 
 def _reference_tree(gitrun: Gitrun, pidfile: Path) -> str:
@@ -424,7 +424,7 @@ def test_sigkill_of_the_agent_or_of_gitrun_at_random_resumes_to_the_uninterrupte
         proc = gitrun.popen(*args)
         try:
             agent = _last_pid(pidfile, started)
-            time.sleep(rng.uniform(0.0, 0.6))
+            time.sleep(rng.uniform(0.05, 0.7))
             os.kill(agent if victim == "agent" else proc.pid, signal.SIGKILL)
             proc.communicate(timeout=60)
             codes.append(proc.returncode)
