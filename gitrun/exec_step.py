@@ -133,7 +133,8 @@ def execute(
             f"{', '.join(sorted(dirty)[:5])} differ from HEAD in {env.worktree}; an exec step "
             "runs only on the precondition tree",
         )
-    _mark_started(env, key)
+    with env.fenced(fence):  # the lease is current (checked under its OS lock) as it starts
+        _mark_started(env, key)
     ran = shell.run(
         action, env.worktree, confinement=ctx.confinement, hidden=ctx.hidden,
         heartbeat=ctx.heartbeat,
@@ -204,9 +205,10 @@ def _checked_tree(
     except GateRejected as exc:
         discarded = put_back(env, old, fence)
         shown = ", ".join(discarded[:5]) + (" ..." if len(discarded) > 5 else "")
+        said = exc.message.removeprefix(exc.rule + ": ")
         raise ExecRefused(
             exc.rule,
-            f"{exc.message.removeprefix(exc.rule + ': ')}; the worktree was put back to the precondition tree "
+            f"{said}; the worktree was put back to the precondition tree "
             f"(discarded: {shown or 'nothing'}); nothing was committed",
         ) from exc
     return oid

@@ -174,8 +174,9 @@ class Baseline:
     checkpoints: int
     verified: bool
     seconds: float  # wall time of the uninterrupted run, under this machine's load
+    execs: int = 0  # how many of the writes are exec steps (no file sync; a command runs)
 
-    def passes(self, point: str) -> int:
+    def passes(self, point: str) -> int:  # noqa: PLR0911 - one return per kind of point
         """How often an uninterrupted run reaches ``point`` (the step protocol, DESIGN.md §3)."""
         if point.startswith("setup_"):
             return 1  # once per run, before its first checkpoint
@@ -187,13 +188,17 @@ class Baseline:
             return int(self.verified)
         if point == "after_intent_checkpoint":
             return self.writes + self.pending
+        if point in ("exec_running", "exec_done"):
+            return self.execs  # exec_running: at least once per command (once per poll)
+        if point in ("temp_file_written", "mid_file_sync"):
+            return self.writes - self.execs  # an exec's files are on disk before its commit
         return self.writes  # the other write-window points: once per write
 
 
-def plan_steps(sandbox: str) -> int:
+def plan_steps(sandbox: str, kind: str | None = None) -> int:
     task = tomllib.loads((SANDBOXES / sandbox / "task.toml").read_text())
     plan = tomllib.loads((SANDBOXES / sandbox / task["agent"]["plan"]).read_text())
-    return len(plan["step"])
+    return len([s for s in plan["step"] if kind is None or s["kind"] == kind])
 
 
 def make_baseline(sandbox: str, home: Path) -> Baseline:
@@ -223,6 +228,7 @@ def make_baseline(sandbox: str, home: Path) -> Baseline:
         info["generation"],
         info["verifier"] is not None,
         seconds,
+        plan_steps(sandbox, "exec"),
     )
     problems = run_invariants(baseline, "baseline", cli)
     assert not problems, problems

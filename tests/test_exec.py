@@ -334,3 +334,17 @@ def test_a_task_allowing_exec_without_an_exec_table_is_refused(
     assert "[policy.exec]" in res.err
     assert len(res.err.strip().splitlines()) == 1
     assert not (gitrun.home / "runs" / f"{RUN}.json").exists()
+
+
+def test_an_exec_step_runs_in_its_cwd_inside_the_worktree_and_nowhere_else(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path]
+) -> None:
+    rename = "sed -i 's/calc_area/circle_area/g' *.py"
+    task = task_with(
+        sandbox_copy, [{"command": "true", "cwd": "../.."}, {"command": rename, "cwd": "geometry"}]
+    )
+    res = gitrun("run", str(task), "--run-id", RUN)
+    assert res.code == Exit.DONE, res.err
+    assert "path-dotdot" in res.err  # the first step: refused before anything ran
+    (tip,) = commits(gitrun)
+    assert len(git(gitrun.repo("rename-api"), "diff", "--name-only", f"{tip}~1", tip).split()) == 4
