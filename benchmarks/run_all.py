@@ -1,7 +1,7 @@
 """Run every gitrun benchmark, one fresh process each, and print one markdown block
 ready to paste into the README.
 
-    python benchmarks/run_all.py [--quick] [--only write_step,checkpoint,resume,lease,startup]
+    python benchmarks/run_all.py [--quick] [--only write_step,...,session]
 
 Default sizes take a few minutes on a quiet machine; ``--quick`` is a smoke run of
 well under a minute (smaller runs, fewer repetitions: its figures are indicative only).
@@ -23,6 +23,7 @@ SCRIPTS = {
     "resume": "bench_resume.py",
     "lease": "bench_lease.py",
     "startup": "bench_startup.py",
+    "session": "bench_session.py",
 }
 BLOCK = re.compile(r"<!-- bench:(\w+):begin -->\n(.*?)<!-- bench:\1:end -->", re.S)
 

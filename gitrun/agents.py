@@ -10,13 +10,17 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gitrun.codec import digest, encode
 from gitrun.environment import Observation
 from gitrun.errors import BadInput, TaskError
 from gitrun.records import ACTION_KINDS, EXEC, Action
 from gitrun.task import Task
+
+if TYPE_CHECKING:
+    from gitrun.records import RunState
+    from gitrun.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,14 @@ class ScriptAgent:
     def is_last(self, cursor: int) -> bool:
         """Whether the proposal at ``cursor`` is the agent's last write (none follows it)."""
         return cursor >= len(self.actions) - 1
+
+    def proposal_key(self) -> str | None:
+        """The idempotency key the agent brings for its last proposal; None: gitrun makes one."""
+        return None
+
+    def drive(self, rt: Runtime) -> RunState:
+        """Drive the run: a scripted agent is stepped by the runtime's own loop."""
+        return rt.run()
 
 
 _STEP_KEYS = {"kind", "path", "content", "content_file", "patch_file", "description"}
@@ -163,6 +175,10 @@ def _plan_root(plan: Path, task: Task) -> Path:
 
 def load_agent(spec: str, task: Task) -> tuple[ScriptAgent, str]:
     """The agent named by ``spec`` and the spec to record (absolute paths) for resume."""
+    if spec == "session" or spec.startswith("cmd:"):
+        from gitrun.session_agent import session_agent
+
+        return session_agent(spec), spec
     if spec == "plan":
         if task.plan is None:
             raise BadInput(f"task {task.id} ships no plan; use --agent patch:FILE or plan:FILE")
@@ -170,7 +186,7 @@ def load_agent(spec: str, task: Task) -> tuple[ScriptAgent, str]:
         return load_plan(plan, _plan_root(plan, task)), f"plan:{task.plan}"
     kind, sep, file = spec.partition(":")
     if not sep or not file or kind not in ("plan", "patch"):
-        raise BadInput(f"unknown agent {spec!r}: use plan, plan:FILE or patch:FILE")
+        raise BadInput(f"unknown agent {spec!r}: use plan, plan:FILE, patch:FILE or cmd:COMMAND")
     target = Path(file).expanduser().resolve()
     if kind == "plan":
         return load_plan(target, _plan_root(target, task)), f"plan:{target}"

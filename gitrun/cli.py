@@ -131,7 +131,9 @@ def run(
     repo: Annotated[
         Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")
     ] = None,
-    agent: Annotated[str, typer.Option("--agent", help="plan, plan:FILE or patch:FILE.")] = "plan",
+    agent: Annotated[
+        str, typer.Option("--agent", help="plan, plan:FILE, patch:FILE or cmd:COMMAND.")
+    ] = "plan",
     run_id: Annotated[
         str | None,
         typer.Option(
@@ -176,6 +178,29 @@ def resume(
         isolation,
     )  # fmt: skip
     _finish(service.resume(run_id, opts, task))
+
+
+@app.command()
+def session(
+    task_dir: Annotated[Path, typer.Argument(help="A task directory holding task.toml.")],
+    repo: Annotated[
+        Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")
+    ] = None,
+    run_id: Annotated[
+        str | None, typer.Option("--run-id", help="Name (or continue) the run.")
+    ] = None,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+    worker_id: WorkerOpt = None,
+    lease_seconds: LeaseOpt = 30.0,
+    trust_roots: TrustOpt = None,
+    isolation: IsolationOpt = None,
+) -> None:
+    """Serve a run as JSON-RPC 2.0 lines on stdin/stdout: the caller is its agent."""
+    opts = _options(
+        workspace, key_file, worker_id, lease_seconds, None, False, trust_roots, isolation
+    )
+    _finish(service.start(task_dir, opts, repo_path=repo, agent_spec="session", run_id=run_id))
 
 
 @app.command()

@@ -24,6 +24,7 @@ DESCRIPTION = "gitrun: durable, exactly-once steps for code-editing agents, with
 COMMANDS = (
     ("run", "Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."),
     ("resume", "Continue a run that stopped anywhere: verify, reconcile, carry on exactly once."),
+    ("session", "Serve a run as JSON-RPC 2.0 lines on stdin/stdout: the caller is its agent."),
     ("status", "Show a run's phase, HEAD, pending action, receipts, verifier and lease."),
     (
         "receipts",

@@ -29,6 +29,7 @@ class Exit(IntEnum):
     REFUSED = 5  # integrity refusal: checkpoint, environment, receipt or transition does not hold
     LEASE_LOST = 6  # this worker lost its lease mid-run; the new owner carries on
     CONFLICT = 7  # a race lost (a ref CAS, a run id taken); nothing of the loser is visible
+    AGENT_GONE = 8  # the session's agent left before the run ended; resume continues it
     INTERNAL = 70  # a bug in gitrun (EX_SOFTWARE); GITRUN_DEBUG=1 shows the traceback
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT); the run resumes from its last checkpoint
 
@@ -223,6 +224,12 @@ class RunFrozen(IllegalTransition, Frozen):
     """Refused because the run waits for a human (or is not running): exit as Frozen."""
 
     exit_code = Exit.FROZEN
+
+
+class AgentGone(GitrunError, RuntimeError):
+    """The session's agent closed its pipe or exited before the run ended; resumable."""
+
+    exit_code = Exit.AGENT_GONE
 
 
 class ApprovalRefused(GitrunError, PermissionError):

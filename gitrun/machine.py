@@ -203,8 +203,9 @@ def _bad_intent(s: RunState, e: Proposed) -> str | None:
         return "the intent digest does not match its action"
     if e.key in s.quarantined_keys:
         return f"key {e.key} is quarantined"
-    if s.receipts.last is not None and s.receipts.last.key == e.key:
-        return f"key {e.key} is already a recorded receipt"
+    last = s.receipts.last
+    if last is not None and last.key == e.key and last.intent_digest == e.digest:
+        return f"key {e.key} is already a recorded receipt"  # another digest: a conflict
     if e.action.kind not in s.scope.allowed_actions:
         return f"{e.action.kind} is outside the allowed scope"
     if e.precondition.instance_id != s.env.instance_id:

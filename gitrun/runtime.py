@@ -62,6 +62,7 @@ class Runtime:
     approvals: Approvals
     isolation: str | None = None  # the command line's --isolation; None: the task's
     secrets: Secrets = field(default_factory=Secrets)  # hidden from the code under test
+    abandoned: GateRejected | None = None  # why the last pending action was dropped (sessions)
 
     def __post_init__(self) -> None:
         self._segment_start = time.time()
@@ -155,7 +156,8 @@ class Runtime:
             return
         pre = Precondition(obs.instance_id, obs.head, obs.tree)
         risk = self.gate.risk(action)
-        self.apply(m.Proposed(action, new_key(), action.intent_digest(), risk, pre, time.time()))
+        key = self.agent.proposal_key() or new_key()  # a session client's own key
+        self.apply(m.Proposed(action, key, action.intent_digest(), risk, pre, time.time()))
         faults.point("after_intent_checkpoint")
 
     def execute_pending(self) -> None:
@@ -183,7 +185,7 @@ class Runtime:
         try:
             self.gate.check_action(p.action, tree, on_disk=False)
         except GateRejected as exc:
-            self.apply(m.PendingRejectedAtExecute(exc.rule, exc.message, time.time()))
+            self._abandon(exc)
             return
         grant = self.approvals.grant(p) if p.risk is not None else None
         self.apply(m.ExecuteDue(time.time(), grant))
@@ -202,7 +204,7 @@ class Runtime:
             self.conflict(conflict.receipt)
             return
         except ExecRefused as exc:  # the command's change broke a rule; the worktree is back
-            self.apply(m.PendingRejectedAtExecute(exc.rule, exc.message, time.time()))
+            self._abandon(exc)
             return
         self.accept(outcome.receipt, replayed=outcome.replayed, grant=grant)
 
@@ -215,6 +217,12 @@ class Runtime:
             Hidden(hide.dirs, hide.files),
             heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
         )
+
+    def _abandon(self, exc: GateRejected) -> None:
+        """Drop a pending action the gate refuses at execute time (the machine's
+        PendingRejectedAtExecute); the reason is kept for a session to answer with."""
+        self.abandoned = exc
+        self.apply(m.PendingRejectedAtExecute(exc.rule, exc.message, time.time()))
 
     def accept(self, receipt: Receipt, replayed: bool, grant: m.Grant | None = None) -> None:
         """Record a receipt, unless it cannot be reconciled without a human."""

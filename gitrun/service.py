@@ -230,7 +230,7 @@ def _release(lease: LeaseManager) -> None:
 
 def _drive(rt: Runtime) -> RunState:
     try:
-        return rt.run()
+        return rt.agent.drive(rt)  # the loop, or a session serving the agent's requests
     except LeaseLost as exc:
         raise LeaseLost(exc.owner, f"{exc.message}; stopped without writing") from exc
 

@@ -71,7 +71,9 @@ def _check_pending(state: RunState, pending: Pending) -> None:
     if pending.key in state.quarantined_keys:
         raise _bad("pending-key", f"pending key {pending.key} is quarantined")
     last = state.receipts.last
-    if last is not None and last.key == pending.key:
+    # The same key with another intent may be pending: it is the seed's conflict (a
+    # session client reusing its key), which execution turns into a review case.
+    if last is not None and last.key == pending.key and last.intent_digest == pending.intent_digest:
         raise _bad("pending-key", f"pending key {pending.key} is already a recorded receipt")
     if pending.action.kind not in state.scope.allowed_actions:
         raise _bad("pending-scope", f"{pending.action.kind} is outside the allowed scope")
