@@ -49,6 +49,7 @@ import pygit2  # noqa: E402 - after the environment is made hermetic
 
 from gitrun import gitstore  # noqa: E402
 from gitrun.agents import ScriptAgent  # noqa: E402
+from gitrun.approvals import Approvals  # noqa: E402
 from gitrun.checkpoint import CheckpointStore  # noqa: E402
 from gitrun.environment import Environment  # noqa: E402
 from gitrun.keys import load_keyring  # noqa: E402
@@ -103,27 +104,31 @@ def timed(fn: Callable[[], object]) -> int:
 # -- the disk floor ----------------------------------------------------------------------
 
 
-def floor_samples(directory: Path, payload: bytes, iterations: int, warmup: int = 5) -> list[int]:
+def durable_replace(directory: Path, name: str, data: bytes) -> None:
     """A bare durable file replace: write to a temp file, fsync it, rename it over the
     target, fsync the directory. The least any crash-safe store can do per step."""
+    tmp = directory / f"{name}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, directory / name)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def floor_samples(directory: Path, payload: bytes, iterations: int, warmup: int = 5) -> list[int]:
+    """Timed :func:`durable_replace` calls of ``payload`` (the disk floor)."""
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / "floor.bin"
-    tmp = directory / "floor.bin.tmp"
     out: list[int] = []
     for i in range(warmup + iterations):
         t0 = time.perf_counter_ns()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, payload)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        durable_replace(directory, "floor.bin", payload)
         if i >= warmup:
             out.append(time.perf_counter_ns() - t0)
     return out
@@ -148,7 +153,7 @@ def bench_dir(prefix: str) -> Iterator[Path]:
 def file_text(d: int, f: int, size: int, version: int = 0, salt: str = "") -> str:
     """A realistic-looking Python source file of about ``size`` bytes."""
     head = f'"""Module d{d:03d}/m{f:03d} (version {version}{salt})."""\n\n'
-    body = []
+    body: list[str] = []
     n = 0
     while len(head) + sum(map(len, body)) < size:
         body.append(
@@ -299,6 +304,8 @@ def start_run(
     lease.acquire(0)
     env = Environment.create(repo, run_id, base, worktree, f"{task.id}@{task.version}")
     base_obj = repo[base]
+    if not isinstance(base_obj, pygit2.Commit):
+        raise TypeError(f"{base} is not a commit")
     rt = begin(
         task=task,
         env=env,
@@ -315,12 +322,8 @@ def start_run(
     return Run(repo, env, store, lease, task, ref, rt)
 
 
-def no_approvals() -> object:
+def no_approvals() -> Approvals:
     """The runtime's approval hook with no trust roots (the benchmarks need no approvals)."""
-    try:
-        from gitrun.approvals import Approvals
-    except ImportError:
-        return None
     return Approvals(None)
 
 
@@ -379,6 +382,6 @@ def machine_line() -> str:
     return (
         f"{platform.node()} · {platform.system()} {platform.release()} · "
         f"{os.cpu_count()} CPUs · Python {platform.python_version()} · "
-        f"pygit2 {pygit2.__version__} / libgit2 {pygit2.LIBGIT2_VERSION} · temp dir "
-        f"{tempfile.gettempdir()}"
+        f"pygit2 {getattr(pygit2, '__version__', '?')} / libgit2 {pygit2.LIBGIT2_VERSION} · "
+        f"temp dir {tempfile.gettempdir()}"
     )

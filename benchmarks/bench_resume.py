@@ -35,7 +35,7 @@ from pathlib import Path
 import _common as c
 
 from gitrun import service
-from gitrun.agents import load_plan
+from gitrun.agents import ScriptAgent, load_plan
 from gitrun.lease import LeaseManager
 from gitrun.recovery import reconcile
 from gitrun.runtime import Runtime
@@ -136,10 +136,10 @@ def core_resume(ws: Workspace, run_id: str, worker: str) -> dict[str, int]:
     return {"total": t3 - t0, "load": t1 - t0, "lease": t2 - t1, "reconcile": t3 - t2}
 
 
-_plans: dict[str, object] = {}
+_plans: dict[str, ScriptAgent] = {}
 
 
-def load_plan_cached(spec: str) -> object:
+def load_plan_cached(spec: str) -> ScriptAgent:
     """reconcile never asks the agent anything: parse the plan once, outside the timing."""
     if spec not in _plans:
         _plans[spec] = load_plan(Path(spec.removeprefix("plan:")))

@@ -34,7 +34,7 @@ import time
 
 import _common as c
 
-from gitrun.records import Precondition, new_key
+from gitrun.records import Action, Precondition, new_key
 
 TARGET = 1.5
 
@@ -42,7 +42,7 @@ TARGET = 1.5
 class AdapterWriter:
     """One ``Environment.execute`` per call; the precondition is read outside the timing."""
 
-    def __init__(self, run: c.Run, actions: tuple) -> None:
+    def __init__(self, run: c.Run, actions: tuple[Action, ...]) -> None:
         self.env, self.fence, self.actions = run.env, run.lease.fence, actions
 
     def __call__(self, n: int) -> int:
@@ -236,12 +236,12 @@ def main() -> None:
         ),
     ]
     for label, (lb, pb), (ls, ps) in comparisons:
-        cells = []
+        row: list[str] = []
         for k in kinds:
             big, sml = res[lb][k][pb], res[ls][k][ps]
             r = big.median_ms / sml.median_ms
-            cells.append(f"{r:.2f}x | {big.p95_ms / sml.p95_ms:.2f}x | {c.verdict(r, TARGET)}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            row.append(f"{r:.2f}x | {big.p95_ms / sml.p95_ms:.2f}x | {c.verdict(r, TARGET)}")
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
     for k in kinds:
         worst = max(
             res[lay][k][pos].median_ms for lay in (small, large) for pos in (args.early, late)
