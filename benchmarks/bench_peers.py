@@ -36,6 +36,7 @@ from typing import Any
 
 import _common as c
 import _peers
+import _syncs
 
 from gitrun.codec import encode
 from gitrun.records import Action
@@ -112,42 +113,69 @@ def floor_fn(tmp: Path, step: StepContender) -> _peers.Op:
 
 
 Samples = dict[str, list[int]]
+Notes = dict[str, str]
 
 
-def measure(rounds: int, warmup: int) -> tuple[Samples, Samples, dict[str, str]]:
+def contenders(tmp: Path, count: int) -> tuple[dict[str, _peers.Op], Notes, _peers.DbosPeer | None]:
+    """Every contender set up in ``tmp``, good for ``count`` operations each."""
+    step = StepContender(tmp / "step", count)
+    advance, message, size = _peers.gitrun_advance_op(tmp / "advance")
+    size_b = len((step.action(0).content or "").encode())
+    ops: dict[str, _peers.Op] = {"step": step.op, "advance": advance}
+    notes = {
+        "step": f"100-file repo, witness on, ~{size_b:,} B file per step",
+        "advance": f"intent checkpoint, witness on; {size}",
+        "floor": "the step's bytes",
+    }
+    doc = json.loads(message.split(b"\n\n")[1])
+    lg, notes["langgraph"] = _peers.sqlite_saver_op(tmp, doc, doc.get("pending") or {})
+    if lg is not None:
+        ops["langgraph"] = lg
+        notes["langgraph"] = f"same state as the advance; {notes['langgraph']}"
+    dbos, note = _peers.dbos_peer(tmp, dbos_step_fn(tmp, step))
+    if dbos is not None:
+        ops["dbos"] = dbos.op
+        note = f"same bytes written durably, receipt-shaped output; {dbos.info}"
+    notes["dbos"] = note
+    ops["floor"] = floor_fn(tmp, step)
+    return ops, notes, dbos
+
+
+def run_body(dbos: _peers.DbosPeer | None, body: Callable[[int], None], rounds: int) -> None:
+    """Run ``body`` inside the DBOS workflow (so DBOS steps can run), or bare without it."""
+    if dbos is not None:
+        dbos.run(body, rounds)
+        dbos.close()
+    else:
+        body(rounds)
+
+
+def measure(rounds: int, warmup: int) -> tuple[Samples, Samples, Notes]:
     """Set every contender up, then run the interleaved rounds; wall and CPU samples."""
     with c.bench_dir("peers") as tmp:
-        step = StepContender(tmp / "step", rounds + warmup)
-        advance, message, size = _peers.gitrun_advance_op(tmp / "advance")
-        size_b = len((step.action(0).content or "").encode())
-        ops: dict[str, _peers.Op] = {"step": step.op, "advance": advance}
-        notes = {
-            "step": f"100-file repo, witness on, ~{size_b:,} B file per step",
-            "advance": f"intent checkpoint, witness on; {size}",
-            "floor": "the step's bytes",
-        }
-        doc = json.loads(message.split(b"\n\n")[1])
-        lg, notes["langgraph"] = _peers.sqlite_saver_op(tmp, doc, doc.get("pending") or {})
-        if lg is not None:
-            ops["langgraph"] = lg
-            notes["langgraph"] = f"same state as the advance; {notes['langgraph']}"
-        dbos, note = _peers.dbos_peer(tmp, dbos_step_fn(tmp, step))
-        if dbos is not None:
-            ops["dbos"] = dbos.op
-            note = f"same bytes written durably, receipt-shaped output; {dbos.info}"
-        notes["dbos"] = note
-        ops["floor"] = floor_fn(tmp, step)
+        ops, notes, dbos = contenders(tmp, rounds + warmup)
         wall: Samples = {name: [] for name in ops}
         cpu: Samples = {name: [] for name in ops}
         body = _peers.interleave(ops, warmup, wall, cpu)
         t0 = time.perf_counter()
-        if dbos is not None:
-            dbos.run(body, rounds + warmup)
-            dbos.close()
-        else:
-            body(rounds + warmup)
+        run_body(dbos, body, rounds + warmup)
         print(f"  {rounds} measured rounds (+{warmup} warm-up) in {time.perf_counter() - t0:.1f}s")
     return wall, cpu, notes
+
+
+def sync_child(name: str, count: int) -> None:
+    """Under strace (``--syncs``): ``count`` operations of one contender between markers."""
+    with c.bench_dir("peers-syncs") as tmp:
+        ops, _, dbos = contenders(tmp, count + 5)
+
+        def body(_: int) -> None:
+            for i in range(5):
+                ops[name](i)
+            with _syncs.marked():
+                for i in range(5, 5 + count):
+                    ops[name](i)
+
+        run_body(dbos, body, 0)
 
 
 LABELS = {
@@ -174,24 +202,33 @@ def paired(wall: Samples, a: str, b: str, k: int = 1) -> c.Stats | None:
     return c.stats([max(d, 0) for d in diffs]) if diffs else None
 
 
-def render(wall: Samples, cpu: Samples, notes: dict[str, str], pressure: c.Pressure) -> str:
+def render(
+    wall: Samples,
+    cpu: Samples,
+    notes: Notes,
+    pressure: c.Pressure,
+    counts: dict[str, _syncs.Counts] | None = None,
+) -> str:
     res = {name: c.stats(v) for name, v in wall.items()}
     cpu_ms = {name: c.stats(v) for name, v in cpu.items()}
     floor = res["floor"]
-    lines = [
-        "### gitrun beside its peers",
-        "",
-        "| contender | median ms | p95 ms | CPU ms (median) | / floor | notes |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
+    head = "| contender | median ms | p95 ms | CPU ms (median) | / floor |"
+    rule = "|---|---:|---:|---:|---:|"
+    if counts is not None:
+        head += " fsync+fdatasync / op | files created / op |"
+        rule += "---:|---:|"
+    lines = ["### gitrun beside its peers", "", head + " notes |", rule + "---|"]
     for name, label in LABELS.items():
+        extra = "" if counts is None else " — | — |"
+        if counts is not None and name in counts:
+            extra = f" {counts[name].cells()} |"
         if name not in res:
-            lines.append(f"| {label} | — | — | — | — | {notes[name]} |")
+            lines.append(f"| {label} | — | — | — | — |{extra} {notes[name]} |")
             continue
         over = res[name].median_ms / floor.median_ms
         lines.append(
             f"| {label} | {res[name].cells()} | {cpu_ms[name].median_ms:.3f} | "
-            f"{over:.1f}x | {notes[name]} |"
+            f"{over:.1f}x |{extra} {notes[name]} |"
         )
     sd, al = ratio(res, "step", "dbos"), ratio(res, "advance", "langgraph")
     lines.append("")
@@ -236,15 +273,27 @@ def breakdown(res: dict[str, c.Stats], wall: Samples) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run (~20 s): 150 rounds")
-    ap.add_argument("--iterations", type=int, default=None, help="measured rounds (default 600)")
+    ap.add_argument("--iterations", type=int, default=None, help="measured rounds (default 1000)")
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument(
+        "--syncs",
+        action="store_true",
+        help="also count fsync/fdatasync and file creations per operation (needs strace)",
+    )
+    ap.add_argument("--sync-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    rounds = args.iterations or (150 if args.quick else 600)
+    if args.sync_child:
+        sync_child(args.sync_child, args.iterations or 20)
+        return
+    rounds = args.iterations or (150 if args.quick else 1000)
     print(f"peers benchmark: {c.machine_line()}")
     pressure = c.Pressure()
     wall, cpu, notes = measure(rounds, args.warmup)
+    counts = None
+    if args.syncs:
+        counts = _syncs.count(Path(__file__), [n for n in LABELS if n in wall], 20)
     print()
-    last = render(wall, cpu, notes, pressure)
+    last = render(wall, cpu, notes, pressure, counts)
     print(last)
 
 
