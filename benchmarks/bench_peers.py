@@ -206,7 +206,7 @@ def render(
     wall: Samples,
     cpu: Samples,
     notes: Notes,
-    pressure: c.Pressure,
+    load: str,
     counts: dict[str, _syncs.Counts] | None = None,
 ) -> str:
     res = {name: c.stats(v) for name, v in wall.items()}
@@ -239,7 +239,7 @@ def render(
         shown = "n/a (peer skipped)" if r is None else f"{r:.2f}x ({c.verdict(r, target)})"
         lines.append(f"* {what}: {shown}, target <= {target:.1f}x on the median")
     lines += breakdown(res, wall)
-    c.markdown_block("peers", lines, pressure)
+    c.markdown_block("peers", [*lines, "", load])
 
     def cell(r: float | None) -> str:
         return "n/a" if r is None else f"{r:.2f}"
@@ -277,8 +277,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument(
         "--syncs",
-        action="store_true",
-        help="also count fsync/fdatasync and file creations per operation (needs strace)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="count fsync/fdatasync and file creations per operation under strace "
+        "(default on when strace is installed, off with --quick)",
     )
     ap.add_argument("--sync-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -289,11 +291,12 @@ def main() -> None:
     print(f"peers benchmark: {c.machine_line()}")
     pressure = c.Pressure()
     wall, cpu, notes = measure(rounds, args.warmup)
+    load = pressure.line()  # the timed rounds only, not the strace runs after them
     counts = None
-    if args.syncs:
+    if args.syncs if args.syncs is not None else not args.quick:
         counts = _syncs.count(Path(__file__), [n for n in LABELS if n in wall], 20)
     print()
-    last = render(wall, cpu, notes, pressure, counts)
+    last = render(wall, cpu, notes, load, counts)
     print(last)
 
 
