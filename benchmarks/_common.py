@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import ClassVar
 
@@ -105,27 +104,31 @@ def timed(fn: Callable[[], object]) -> int:
 # -- the disk floor ----------------------------------------------------------------------
 
 
-def floor_samples(directory: Path, payload: bytes, iterations: int, warmup: int = 5) -> list[int]:
+def durable_replace(directory: Path, name: str, data: bytes) -> None:
     """A bare durable file replace: write to a temp file, fsync it, rename it over the
     target, fsync the directory. The least any crash-safe store can do per step."""
+    tmp = directory / f"{name}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, directory / name)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def floor_samples(directory: Path, payload: bytes, iterations: int, warmup: int = 5) -> list[int]:
+    """Timed :func:`durable_replace` calls of ``payload`` (the disk floor)."""
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / "floor.bin"
-    tmp = directory / "floor.bin.tmp"
     out: list[int] = []
     for i in range(warmup + iterations):
         t0 = time.perf_counter_ns()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, payload)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        durable_replace(directory, "floor.bin", payload)
         if i >= warmup:
             out.append(time.perf_counter_ns() - t0)
     return out
@@ -300,7 +303,9 @@ def start_run(
     lease = LeaseManager(repo, run_id, worker, lease_seconds)
     lease.acquire(0)
     env = Environment.create(repo, run_id, base, worktree, f"{task.id}@{task.version}")
-    base_tree = repo[base].peel(pygit2.Commit).tree_id
+    base_obj = repo[base]
+    if not isinstance(base_obj, pygit2.Commit):
+        raise TypeError(f"{base} is not a commit")
     rt = begin(
         task=task,
         env=env,
@@ -309,7 +314,7 @@ def start_run(
         agent=ScriptAgent("plan", actions),
         worker=worker,
         base_commit=str(base),
-        scenario_parts=task.scenario_parts(str(base), str(base_tree)),
+        scenario_parts=task.scenario_parts(str(base), str(base_obj.tree_id)),
         say=lambda _: None,
         approvals=no_approvals(),
     )
@@ -377,6 +382,6 @@ def machine_line() -> str:
     return (
         f"{platform.node()} · {platform.system()} {platform.release()} · "
         f"{os.cpu_count()} CPUs · Python {platform.python_version()} · "
-        f"pygit2 {version('pygit2')} / libgit2 {pygit2.LIBGIT2_VERSION} · temp dir "
-        f"{tempfile.gettempdir()}"
+        f"pygit2 {getattr(pygit2, '__version__', '?')} / libgit2 {pygit2.LIBGIT2_VERSION} · "
+        f"temp dir {tempfile.gettempdir()}"
     )

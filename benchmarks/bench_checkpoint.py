@@ -34,66 +34,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import time
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import _common as c
-import pygit2
+import _peers
 
-from gitrun.codec import canonical_bytes, encode
 from gitrun.keys import load_keyring
-from gitrun.records import Event
-from gitrun.runtime import Runtime
 from gitrun.witness import Mark, Witness
 
 TARGET = 3.0
-INSTALL_HINT = "pip install -e .[bench]   (langgraph-checkpoint-sqlite, dbos)"
 
-Op = Callable[[int], None]
-
-
-def gitrun_op(tmp: Path, *, witness: bool = True) -> tuple[Op, bytes, str]:
-    """A real run's intent checkpoint, re-advanced generation after generation."""
-    layout = c.Layout(10, 10)
-    repo, base = c.make_repo(tmp / "repo", layout)
-    task = c.make_task(tmp / "task", tmp / "repo", base)
-    run = c.start_run(
-        repo,
-        base,
-        task,
-        run_id="ckpt",
-        worktree=tmp / "wt",
-        key_file=tmp / "keys" / "checkpoint.keyring",
-        actions=c.write_actions(layout, 4, salt=f"ckpt-{witness}"),
-        witness=witness,
-    )
-    rt = run.runtime
-    # Steady state: every loose-object fan-out directory exists, as in any repository
-    # past a few thousand loose objects (a young one pays one more mkdir per new prefix).
-    for prefix in range(256):
-        (Path(repo.path) / "objects" / f"{prefix:02x}").mkdir(exist_ok=True)
-    for _ in range(3):
-        c.runtime_step(rt)
-    rt.step()  # persists an intent: the state now holds a pending action and a receipt
-    template = replace(rt.state, events=_last_events(rt))
-    store, ref, fence = run.store, run.ref, run.lease.fence
-    if rt.checkpoint is None:
-        raise RuntimeError("the benchmark run has no checkpoint after its steps")
-    head_oid, head_gen = rt.checkpoint, rt.state.generation
-    message = repo[head_oid].peel(pygit2.Commit).raw_message
-
-    def op(_: int) -> None:
-        nonlocal head_oid, head_gen
-        state = replace(template, generation=head_gen + 1, updated_at=time.time())
-        head_oid = store.advance(ref, state, head_oid, fence)
-        head_gen += 1
-
-    payload = canonical_bytes(encode(template))
-    return op, message, f"{len(payload):,} B payload, {len(message):,} B commit message"
+Op = _peers.Op
 
 
 def witness_op(tmp: Path, key_file: Path) -> Op:
@@ -111,14 +63,6 @@ def witness_op(tmp: Path, key_file: Path) -> Op:
     return op
 
 
-def _last_events(rt: Runtime) -> tuple[Event, ...]:
-    """The trace events the last checkpoint carried (an intent event): realistic size."""
-    if rt.checkpoint is None:
-        raise RuntimeError("the benchmark run has no checkpoint yet")
-    stored = rt.store.read(rt.ref, rt.checkpoint)
-    return stored.state.events
-
-
 def floor_op(tmp: Path, payload: bytes) -> Op:
     directory = tmp / "floor"
     directory.mkdir()
@@ -127,89 +71,6 @@ def floor_op(tmp: Path, payload: bytes) -> Op:
         c.floor_samples(directory, payload, 1, warmup=0)
 
     return op
-
-
-def sqlite_saver_op(
-    tmp: Path, doc: dict[str, Any], pending: dict[str, Any]
-) -> tuple[Op | None, str]:
-    try:
-        from langgraph.checkpoint.base import empty_checkpoint
-        from langgraph.checkpoint.sqlite import SqliteSaver
-    except ImportError as exc:
-        return (
-            None,
-            f"skipped: langgraph-checkpoint-sqlite not importable ({exc.name}); {INSTALL_HINT}",
-        )
-    conn = sqlite3.connect(str(tmp / "langgraph.sqlite"), check_same_thread=False)
-    saver = SqliteSaver(conn)
-    saver.setup()
-    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-    sync = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}[
-        conn.execute("PRAGMA synchronous").fetchone()[0]
-    ]
-    config: dict[str, Any] = {"configurable": {"thread_id": "bench", "checkpoint_ns": ""}}
-
-    def op(i: int) -> None:
-        nonlocal config
-        ckpt = empty_checkpoint()
-        ckpt["channel_values"] = {"state": doc}
-        ckpt["channel_versions"] = {"state": i + 1}
-        new_config = saver.put(
-            config, ckpt, {"source": "loop", "step": i, "parents": {}}, {"state": i + 1}
-        )
-        saver.put_writes(new_config, [("pending", pending)], task_id=f"task-{i}")
-        config = new_config
-
-    return op, f"journal_mode={mode}, synchronous={sync}"
-
-
-class DbosPeer:
-    """DBOS Transact with a SQLite system database; the whole interleaved loop runs
-    inside one workflow so that each DBOS step can be timed beside the others."""
-
-    def __init__(self, tmp: Path, payload: str) -> None:
-        from dbos import DBOS
-
-        self.DBOS = DBOS
-        url = f"sqlite:///{tmp / 'dbos.sqlite'}"
-        DBOS(config={"name": "gitrun-bench", "system_database_url": url, "log_level": "ERROR"})
-
-        def bench_step(i: int) -> str:
-            del i
-            return payload
-
-        def bench_workflow(rounds: int) -> int:
-            self.body(rounds)
-            return rounds
-
-        # Decorated by call, not by @: dbos may ship no types (see pyproject's overrides).
-        self.step = DBOS.step()(bench_step)
-        self.workflow = DBOS.workflow()(bench_workflow)
-        self.body: Callable[[int], None] = lambda rounds: None
-        DBOS.launch()
-        self.info = f"system database {url.split('///', maxsplit=1)[0]}///…/dbos.sqlite"
-
-    def op(self, i: int) -> None:
-        self.step(i)
-
-    def run(self, body: Callable[[int], None], rounds: int) -> None:
-        self.body = body
-        self.workflow(rounds)
-
-    def close(self) -> None:
-        self.DBOS.destroy(destroy_registry=True)
-
-
-def dbos_peer(tmp: Path, payload: str) -> tuple[DbosPeer | None, str]:
-    try:
-        import dbos  # noqa: F401
-    except ImportError as exc:
-        return None, f"skipped: dbos not importable ({exc.name}); {INSTALL_HINT}"
-    try:
-        return DbosPeer(tmp, payload), ""
-    except Exception as exc:
-        why = f"{type(exc).__name__}: {exc}"
-        return None, f"skipped: DBOS could not start with a SQLite system database ({why})"
 
 
 def main() -> None:
@@ -224,8 +85,8 @@ def main() -> None:
     print(f"checkpoint benchmark: {c.machine_line()}")
     pressure = c.Pressure()
     with c.bench_dir("checkpoint") as tmp:
-        g_op, message, size = gitrun_op(tmp / "gitrun")
-        bare_op, _, _ = gitrun_op(tmp / "gitrun-bare", witness=False)
+        g_op, message, size = _peers.gitrun_advance_op(tmp / "gitrun")
+        bare_op, _, _ = _peers.gitrun_advance_op(tmp / "gitrun-bare", witness=False)
         doc = json.loads(message.split(b"\n\n")[1])
         pending = doc.get("pending") or {}
         ops: dict[str, Op] = {
@@ -240,30 +101,22 @@ def main() -> None:
             "witness": "one 1,024 B slot, in place",
             "floor": f"same {len(message):,} bytes",
         }
-        dbos: DbosPeer | None = None
+        dbos: _peers.DbosPeer | None = None
         if args.no_peers:
             notes["langgraph"] = notes["dbos"] = "skipped: --no-peers"
         else:
-            lg, note = sqlite_saver_op(tmp, doc, pending)
+            lg, note = _peers.sqlite_saver_op(tmp, doc, pending)
             notes["langgraph"] = note
             if lg is not None:
                 ops["langgraph"] = lg
-            dbos, note = dbos_peer(tmp, message.decode())
-            notes["dbos"] = note or "step output = same payload"
+            text = message.decode()
+            dbos, note = _peers.dbos_peer(tmp, lambda _: text)
+            notes["dbos"] = note
             if dbos is not None:
                 ops["dbos"] = dbos.op
+                notes["dbos"] = f"step output = same payload; {dbos.info}"
         samples: dict[str, list[int]] = {name: [] for name in ops}
-        order = list(ops)
-
-        def body(total: int) -> None:
-            for i in range(total):
-                rotated = order[i % len(order) :] + order[: i % len(order)]
-                for name in rotated:
-                    t0 = time.perf_counter_ns()
-                    ops[name](i)
-                    dt = time.perf_counter_ns() - t0
-                    if i >= args.warmup:
-                        samples[name].append(dt)
+        body = _peers.interleave(ops, args.warmup, samples)
 
         t0 = time.perf_counter()
         if dbos is not None:

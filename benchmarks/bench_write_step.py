@@ -194,8 +194,8 @@ def main() -> None:
     ]
     for lay in (small, large):
         for pos in (args.early, late):
-            row = " | ".join(res[lay][k][pos].cells() for k in kinds)
-            lines.append(f"| {lay.files:,} files, write #{pos:,} | {row} |")
+            cells = " | ".join(res[lay][k][pos].cells() for k in kinds)
+            lines.append(f"| {lay.files:,} files, write #{pos:,} | {cells} |")
     lines.append(
         f"| floor: write+fsync+rename+dir fsync, {small.file_size} B | "
         + " | ".join(floor.cells() for _ in kinds)
@@ -236,12 +236,12 @@ def main() -> None:
         ),
     ]
     for label, (lb, pb), (ls, ps) in comparisons:
-        cells: list[str] = []
+        row: list[str] = []
         for k in kinds:
             big, sml = res[lb][k][pb], res[ls][k][ps]
             r = big.median_ms / sml.median_ms
-            cells.append(f"{r:.2f}x | {big.p95_ms / sml.p95_ms:.2f}x | {c.verdict(r, TARGET)}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            row.append(f"{r:.2f}x | {big.p95_ms / sml.p95_ms:.2f}x | {c.verdict(r, TARGET)}")
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
     for k in kinds:
         worst = max(
             res[lay][k][pos].median_ms for lay in (small, large) for pos in (args.early, late)

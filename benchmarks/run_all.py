@@ -1,7 +1,7 @@
 """Run every gitrun benchmark, one fresh process each, and print one markdown block
 ready to paste into the README.
 
-    python benchmarks/run_all.py [--quick] [--only write_step,...,session]
+    python benchmarks/run_all.py [--quick] [--only write_step,checkpoint,peers,resume,lease,startup]
 
 Default sizes take a few minutes on a quiet machine; ``--quick`` is a smoke run of
 well under a minute (smaller runs, fewer repetitions: its figures are indicative only).
@@ -20,10 +20,10 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = {
     "write_step": "bench_write_step.py",
     "checkpoint": "bench_checkpoint.py",
+    "peers": "bench_peers.py",
     "resume": "bench_resume.py",
     "lease": "bench_lease.py",
     "startup": "bench_startup.py",
-    "session": "bench_session.py",
 }
 BLOCK = re.compile(r"<!-- bench:(\w+):begin -->\n(.*?)<!-- bench:\1:end -->", re.S)
 
