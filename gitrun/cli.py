@@ -20,8 +20,8 @@ from typer._click.exceptions import ClickException  # typer vendors click; not r
 from gitrun import faults, service
 from gitrun.entry import status_text
 from gitrun.errors import BadInput, Exit, GitrunError
+from gitrun.isolation import check_setting
 from gitrun.records import DONE, RunState
-from gitrun.sandbox import check_setting
 from gitrun.workspace import Workspace
 
 app = typer.Typer(

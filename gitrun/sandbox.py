@@ -28,11 +28,8 @@ from pathlib import Path
 from typing import IO
 
 from gitrun.errors import BadInput, Exit, GitrunError
+from gitrun.isolation import NONE, REQUIRED, check_setting
 
-AUTO = "auto"
-REQUIRED = "required"
-NONE = "none"
-SETTINGS = (AUTO, REQUIRED, NONE)
 BWRAP = "bwrap"
 BWRAP_ENV = "GITRUN_BWRAP"  # read by gitrun only: which bwrap to use ("/nonexistent": none)
 INSTALL_HINT = (
@@ -62,13 +59,6 @@ class SandboxFailed(GitrunError):
 
 class CommandCannotStart(BadInput):
     """The test command itself could not be executed (missing, not executable)."""
-
-
-def check_setting(value: str, where: str = "--isolation") -> str:
-    """``value`` if it is an isolation setting, else a one-line :class:`BadInput`."""
-    if value not in SETTINGS:
-        raise BadInput(f"{where} must be one of {', '.join(SETTINGS)}, not {value!r}")
-    return value
 
 
 @dataclass(frozen=True)

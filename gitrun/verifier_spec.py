@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gitrun import sandbox
+from gitrun import isolation as settings
 from gitrun.errors import BadInput
 
 __all__ = ["VerifierResult", "VerifierSpec", "positive_number"]
@@ -30,7 +30,7 @@ class VerifierSpec:
     fail_to_pass: tuple[str, ...]
     pass_to_pass: tuple[str, ...]
     timeout_seconds: float
-    isolation: str = sandbox.AUTO  # the task's setting; a command-line --isolation overrides it
+    isolation: str = settings.AUTO  # the task's setting; a command-line --isolation overrides it
 
     def __post_init__(self) -> None:
         for name in ("command", "fail_to_pass", "pass_to_pass"):
@@ -45,7 +45,7 @@ class VerifierSpec:
             )
         if self.junit and not self.required:
             raise BadInput("a JUnit verifier needs at least one FAIL_TO_PASS or PASS_TO_PASS id")
-        sandbox.check_setting(self.isolation, "verifier isolation")
+        settings.check_setting(self.isolation, "verifier isolation")
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -65,7 +65,7 @@ class VerifierSpec:
             "pass_to_pass": list(self.pass_to_pass),
             "timeout_seconds": float(self.timeout_seconds),
         }
-        if self.isolation != sandbox.AUTO:
+        if self.isolation != settings.AUTO:
             out["isolation"] = self.isolation
         return out
 
@@ -79,7 +79,7 @@ class VerifierSpec:
         if unknown or missing:
             raise BadInput(f"verifier spec: unknown {sorted(unknown)}, missing {sorted(missing)}")
         junit, timeout = data["junit"], data["timeout_seconds"]
-        isolation = data.get("isolation", sandbox.AUTO)
+        isolation = data.get("isolation", settings.AUTO)
         if not isinstance(isolation, str):
             raise BadInput(f"verifier isolation must be a string, not {isolation!r}")
         if not isinstance(junit, bool):
