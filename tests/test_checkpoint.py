@@ -546,9 +546,14 @@ def _receipt_without_commit(s: RunState) -> RunState:
 
 
 def _pending_key_is_a_receipt(s: RunState) -> RunState:
+    """The pending intent is exactly the last recorded receipt's (same key, same digest).
+    The same key with another digest may be pending: that is the seed's conflict, which
+    execution turns into a review case (a session client reusing its key)."""
     last = s.receipts.last
     assert last is not None
-    return _with_pending(s, key=last.key)
+    pending = _pending(s, key=last.key)
+    same = replace(s.receipts, last=replace(last, intent_digest=pending.intent_digest))
+    return replace(_running(s), pending=pending, receipts=same)
 
 
 def _failing_verifier(s: RunState) -> RunState:
