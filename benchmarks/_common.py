@@ -3,7 +3,7 @@
 Every benchmark measures with ``time.perf_counter_ns``, drops warm-up iterations,
 reports median and p95 (``statistics.quantiles``, inclusive method) in milliseconds,
 and runs inside a temporary directory under the system temp dir (the same disk as
-``/tmp``), removed at exit. fsync is on: :func:`gitrun.gitstore.configure_git` runs
+``/tmp``), removed at exit. fsync is on: :func:`gitrun.store.gitstore.configure_git` runs
 before any repository opens.
 
 The environment is made hermetic *before* pygit2 is imported (libgit2 reads its
@@ -47,17 +47,17 @@ os.environ["GIT_CONFIG_NOSYSTEM"] = "1"
 
 import pygit2  # noqa: E402 - after the environment is made hermetic
 
-from gitrun import gitstore  # noqa: E402
-from gitrun.agents import ScriptAgent  # noqa: E402
-from gitrun.approvals import Approvals  # noqa: E402
-from gitrun.checkpoint import CheckpointStore  # noqa: E402
-from gitrun.environment import Environment  # noqa: E402
-from gitrun.keys import load_keyring  # noqa: E402
-from gitrun.lease import LeaseManager  # noqa: E402
-from gitrun.records import Action  # noqa: E402
-from gitrun.runtime import Runtime, begin  # noqa: E402
-from gitrun.task import Task, load_task  # noqa: E402
-from gitrun.witness import Witness  # noqa: E402
+from gitrun.adapter.environment import Environment  # noqa: E402
+from gitrun.core.records import Action  # noqa: E402
+from gitrun.core.task import Task, load_task  # noqa: E402
+from gitrun.engine.agents import ScriptAgent  # noqa: E402
+from gitrun.engine.approvals import Approvals  # noqa: E402
+from gitrun.engine.runtime import Runtime, begin  # noqa: E402
+from gitrun.store import gitstore  # noqa: E402
+from gitrun.store.checkpoint import CheckpointStore  # noqa: E402
+from gitrun.store.keys import load_keyring  # noqa: E402
+from gitrun.store.lease import LeaseManager  # noqa: E402
+from gitrun.store.witness import Witness  # noqa: E402
 
 gitstore.configure_git()
 

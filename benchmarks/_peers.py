@@ -17,9 +17,9 @@ from typing import Any, cast
 
 import _common as c
 
-from gitrun.codec import canonical_bytes, encode
-from gitrun.records import Event
-from gitrun.runtime import Runtime
+from gitrun.core.codec import canonical_bytes, encode
+from gitrun.core.records import Event
+from gitrun.engine.runtime import Runtime
 
 INSTALL_HINT = "pip install -e .[bench]   (langgraph-checkpoint-sqlite, dbos)"
 SYNC_NAMES = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}

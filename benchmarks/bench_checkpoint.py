@@ -40,8 +40,8 @@ from pathlib import Path
 import _common as c
 import _peers
 
-from gitrun.keys import load_keyring
-from gitrun.witness import Mark, Witness
+from gitrun.store.keys import load_keyring
+from gitrun.store.witness import Mark, Witness
 
 TARGET = 3.0
 

@@ -30,11 +30,11 @@ from typing import Any
 
 import _common as c
 
-from gitrun.checkpoint import CheckpointStore
-from gitrun.errors import CasFailed, LeaseHeld, LeaseLost
-from gitrun.gitstore import open_repo, read_ref
-from gitrun.keys import load_keyring
-from gitrun.lease import LeaseManager
+from gitrun.core.errors import CasFailed, LeaseHeld, LeaseLost
+from gitrun.store.checkpoint import CheckpointStore
+from gitrun.store.gitstore import open_repo, read_ref
+from gitrun.store.keys import load_keyring
+from gitrun.store.lease import LeaseManager
 
 KINDS = ("acquire", "busy", "renew", "advance", "load", "release")
 

@@ -38,8 +38,8 @@ import _common as c
 import _peers
 import _syncs
 
-from gitrun.codec import encode
-from gitrun.records import Action
+from gitrun.core.codec import encode
+from gitrun.core.records import Action
 
 STEP_TARGET = 1.0
 ADVANCE_TARGET = 1.5

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import _common as c
 
-from gitrun import service
-from gitrun.agents import ScriptAgent, load_plan
-from gitrun.lease import LeaseManager
-from gitrun.recovery import reconcile
-from gitrun.workspace import RunRecord, Workspace
+from gitrun.app import service
+from gitrun.app.workspace import RunRecord, Workspace
+from gitrun.engine.agents import ScriptAgent, load_plan
+from gitrun.engine.recovery import reconcile
+from gitrun.store.lease import LeaseManager
 
 TARGET = 1.25  # "beyond noise": the larger run's median within 25% of the smaller's
 LAYOUT = c.Layout(20, 50, file_size=256)  # 1,000 files: a 1,000-step run touches each once

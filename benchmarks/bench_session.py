@@ -25,8 +25,8 @@ from typing import Any
 
 import _common as c
 
-from gitrun.jsonrpc import Eof, Timeout, Transport
-from gitrun.records import ACTION_KINDS
+from gitrun.core.records import ACTION_KINDS
+from gitrun.engine.jsonrpc import Eof, Timeout, Transport
 
 WARMUP = 5
 

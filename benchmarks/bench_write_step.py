@@ -34,7 +34,7 @@ import time
 
 import _common as c
 
-from gitrun.records import Action, Precondition, new_key
+from gitrun.core.records import Action, Precondition, new_key
 
 TARGET = 1.5
 

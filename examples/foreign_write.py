@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import sys
 
-from gitrun import service
-from gitrun.lease import LeaseManager
-from gitrun.records import Action
-from gitrun.workspace import Workspace
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.records import Action
+from gitrun.store.lease import LeaseManager
 
 
 def main(run_id: str, path: str, content: str) -> None:

@@ -1,4 +1,4 @@
-"""The ``gitrun`` command line: parse, call :mod:`gitrun.service`, print, exit.
+"""The ``gitrun`` command line: parse, call :mod:`gitrun.app.service`, print, exit.
 
 One handler (:func:`main`) maps every :class:`GitrunError` to one line on stderr and
 its exit code; usage errors exit 2; nothing a user does wrong prints a traceback.
@@ -17,12 +17,13 @@ from typing import Annotated
 import typer
 from typer._click.exceptions import ClickException  # typer vendors click; not re-exported
 
-from gitrun import faults, service
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core import faults
+from gitrun.core.errors import BadInput, Exit, GitrunError
+from gitrun.core.isolation import check_setting
+from gitrun.core.records import DONE, RunState
 from gitrun.entry import status_text
-from gitrun.errors import BadInput, Exit, GitrunError
-from gitrun.isolation import check_setting
-from gitrun.records import DONE, RunState
-from gitrun.workspace import Workspace
 
 app = typer.Typer(
     add_completion=False,
@@ -319,7 +320,7 @@ def keys_new(
     ] = None,
 ) -> None:
     """Make an Ed25519 key pair: NAME.key (0600, keep it) and its public half in the trust roots."""
-    from gitrun.evidence import new_keypair
+    from gitrun.store.evidence import new_keypair
 
     path, root = new_keypair(role, name, out_dir, trust_roots)
     typer.echo(f"{root.role} key {root.id} ({root.name}): private key {path} (mode 600)")
@@ -330,7 +331,7 @@ def keys_new(
 @keys_app.command("rotate")
 def keys_rotate(workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None) -> None:
     """Add a new active checkpoint signing key; older keys still verify old checkpoints."""
-    from gitrun.keys import load_keyring, rotate_keyring
+    from gitrun.store.keys import load_keyring, rotate_keyring
 
     ws = Workspace(workspace, key_file)
     load_keyring(ws.key_file)

@@ -80,7 +80,7 @@ def help_text() -> str:
 
 
 def status_text(info: dict[str, Any], as_json: bool) -> str:
-    """What ``gitrun status`` prints for :func:`gitrun.service.status`'s answer."""
+    """What ``gitrun status`` prints for :func:`gitrun.app.service.status`'s answer."""
     if as_json:
         return json.dumps(info, indent=2, sort_keys=True)
     lease = info.get("lease")
@@ -137,8 +137,8 @@ def parse_status(args: list[str]) -> dict[str, Any] | None:
 
 
 def _status(run_id: str, as_json: bool, workspace: Path | None, key_file: Path | None) -> int:
-    from gitrun import service
-    from gitrun.workspace import Workspace
+    from gitrun.app import service
+    from gitrun.app.workspace import Workspace
 
     info = service.status(run_id, service.Options(Workspace(workspace, key_file)))
     print(status_text(info, as_json))
@@ -147,7 +147,7 @@ def _status(run_id: str, as_json: bool, workspace: Path | None, key_file: Path |
 
 def guarded(fn: Callable[[], int]) -> int:
     """Run ``fn`` as :func:`gitrun.cli.main` runs a command: a user error is one line."""
-    from gitrun.errors import Exit, GitrunError
+    from gitrun.core.errors import Exit, GitrunError
 
     try:
         return fn()

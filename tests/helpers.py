@@ -22,12 +22,13 @@ from typing import ClassVar
 import pygit2
 import pytest
 
-from gitrun import gitstore, service
-from gitrun.approvals import inbox_ref, submit
-from gitrun.codec import decode
-from gitrun.evidence import Signed, new_keypair
-from gitrun.records import RunState
-from gitrun.workspace import Workspace
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.codec import decode
+from gitrun.core.records import RunState
+from gitrun.engine.approvals import inbox_ref, submit
+from gitrun.store import gitstore
+from gitrun.store.evidence import Signed, new_keypair
 
 # Every CLI child runs optimised too when the suite does, so `if … raise` is what holds.
 CLI_ENV = {"PYTHONOPTIMIZE": "1"} if sys.flags.optimize else {}
@@ -182,7 +183,8 @@ def reap_all(procs: Iterable[subprocess.Popen[str]]) -> None:
 # protocol and let it carry on later. argv: pause_at marker go <gitrun args...>
 PAUSING_WORKER = """
 import os, sys, time
-from gitrun import cli, faults
+from gitrun import cli
+from gitrun.core import faults
 
 pause_at, marker, go = sys.argv[1:4]
 real_point = faults.point

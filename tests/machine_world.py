@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gitrun.codec import digest
-from gitrun.machine import Grant
-from gitrun.records import (
+from gitrun.core.codec import digest
+from gitrun.core.machine import Grant
+from gitrun.core.records import (
     ADAPTER_VERSION,
     RUNNING,
     SCHEMA_VERSION,

@@ -1,6 +1,6 @@
 """In-memory implementations of the three store contracts: a test helper, never the product.
 
-They honour :mod:`gitrun.contracts` exactly as the git stores do (compare-and-swap of one
+They honour :mod:`gitrun.core.contracts` exactly as the git stores do (compare-and-swap of one
 head, the fence re-checked in the same step and before the compare, strict refusals that
 change nothing, validation before anything is written, signed checkpoints verified on
 load), so the conformance suite runs the same tests against both, and a pure test can
@@ -14,10 +14,9 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 
-from gitrun.checkpoint import _check_scenario
-from gitrun.codec import DecodeError, canonical_bytes, decode, digest, encode
-from gitrun.contracts import Appended
-from gitrun.errors import (
+from gitrun.core.codec import DecodeError, canonical_bytes, decode, digest, encode
+from gitrun.core.contracts import Appended
+from gitrun.core.errors import (
     CasFailed,
     CheckpointRejected,
     LeaseHeld,
@@ -25,10 +24,11 @@ from gitrun.errors import (
     ReceiptConflict,
     ReceiptDrift,
 )
-from gitrun.keys import Keyring
-from gitrun.lease import Fence, Lease
-from gitrun.records import SCHEMA_VERSION, Receipt, RunState
-from gitrun.validate import validate_state
+from gitrun.core.records import SCHEMA_VERSION, Receipt, RunState
+from gitrun.core.validate import validate_state
+from gitrun.store.checkpoint import _check_scenario
+from gitrun.store.keys import Keyring
+from gitrun.store.lease import Fence, Lease
 
 DOMAIN = b"gitrun-memory-checkpoint/1\n"
 
@@ -51,7 +51,7 @@ class CheckpointObject:
 
 @dataclass(frozen=True)
 class MemoryStored:
-    """A verified checkpoint (the memory twin of :class:`gitrun.checkpoint.Stored`)."""
+    """A verified checkpoint (the memory twin of :class:`gitrun.store.checkpoint.Stored`)."""
 
     state: RunState
     oid: str
@@ -116,7 +116,7 @@ def _signed(ref: str, parent: str, payload: bytes) -> bytes:
 
 
 class MemoryCheckpointLog:
-    """:class:`gitrun.contracts.CheckpointLog` over a :class:`MemoryBackend`."""
+    """:class:`gitrun.core.contracts.CheckpointLog` over a :class:`MemoryBackend`."""
 
     def __init__(self, backend: MemoryBackend, keyring: Keyring) -> None:
         self.backend = backend
@@ -198,7 +198,7 @@ def _decode_state(payload: bytes, oid: str) -> RunState:
 
 
 class MemoryLeaseStore:
-    """:class:`gitrun.contracts.LeaseStore` over a :class:`MemoryBackend`.
+    """:class:`gitrun.core.contracts.LeaseStore` over a :class:`MemoryBackend`.
 
     ``live_owners`` plays the part of the git store's per-worker OS owner lock: a handle
     claims it while it works on the run and drops it on release or a lost acquire.
@@ -319,7 +319,7 @@ class MemoryLeaseStore:
 
 
 class MemoryReceiptLog:
-    """:class:`gitrun.contracts.ReceiptStore` of :class:`MemoryWrite` over a backend."""
+    """:class:`gitrun.core.contracts.ReceiptStore` of :class:`MemoryWrite` over a backend."""
 
     def __init__(self, backend: MemoryBackend, run_id: str) -> None:
         self.backend = backend

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from conftest import ROOT, Gitrun
 
-from gitrun.jsonrpc import EOF, Eof, Timeout, Transport
+from gitrun.engine.jsonrpc import EOF, Eof, Timeout, Transport
 
 PROTOCOL_DOC = ROOT / "docs" / "protocol.md"
 _BLOCK = re.compile(r"<!-- schema (\S+) -->\n```json\n(.*?)\n```", re.S)

@@ -31,15 +31,16 @@ import pytest
 from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, snapshot
 from helpers import CLI_ENV, Keys, RunCopy, Template, Templates, hermetic
 
-from gitrun import gitstore, service, trees
-from gitrun.approvals import Approvals, approval_claims
-from gitrun.codec import decode, digest, encode
-from gitrun.environment import Approval
-from gitrun.errors import ApprovalRefused, Exit, GateRejected
-from gitrun.evidence import APPROVAL_DOMAIN, Signed, load_trust_roots, sign
-from gitrun.lease import LeaseManager
-from gitrun.records import AWAITING_APPROVAL, DONE, NEEDS_REVIEW, RUNNING, Action, new_key
-from gitrun.workspace import Workspace
+from gitrun.adapter.environment import Approval
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.codec import decode, digest, encode
+from gitrun.core.errors import ApprovalRefused, Exit, GateRejected
+from gitrun.core.records import AWAITING_APPROVAL, DONE, NEEDS_REVIEW, RUNNING, Action, new_key
+from gitrun.engine.approvals import Approvals, approval_claims
+from gitrun.store import gitstore, trees
+from gitrun.store.evidence import APPROVAL_DOMAIN, Signed, load_trust_roots, sign
+from gitrun.store.lease import LeaseManager
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,12 +17,12 @@ import pygit2
 import pytest
 from conftest import git
 
-from gitrun import atomicfile, gitstore, keys
-from gitrun.atomicfile import atomic_file, atomic_write, temp_prefix
-from gitrun.environment import Environment
-from gitrun.evidence import new_keypair
-from gitrun.lease import LeaseManager
-from gitrun.worktree import INDEX_BASE_FILE
+from gitrun.adapter.environment import Environment
+from gitrun.adapter.worktree import INDEX_BASE_FILE
+from gitrun.store import atomicfile, gitstore, keys
+from gitrun.store.atomicfile import atomic_file, atomic_write, temp_prefix
+from gitrun.store.evidence import new_keypair
+from gitrun.store.lease import LeaseManager
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +93,7 @@ def test_an_exclusive_create_of_an_existing_file_fails_and_leaves_it(tmp_path: P
 _WRITER = """
 import sys, time
 from pathlib import Path
-from gitrun.atomicfile import atomic_file
+from gitrun.store.atomicfile import atomic_file
 target, ready, loop = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "loop"
 chunk = b"N" * (1 << 20)
 if loop:
@@ -215,7 +215,7 @@ def test_a_symlink_planted_at_the_temp_name_is_never_opened(
     outside.write_bytes(b"precious")
     target = tmp_path / "state.json"
     names = iter(["planted", "fresh"])
-    monkeypatch.setattr("gitrun.atomicfile.secrets.token_hex", lambda _n: next(names))
+    monkeypatch.setattr("gitrun.store.atomicfile.secrets.token_hex", lambda _n: next(names))
     planted = tmp_path / f"{temp_prefix(target.name)}planted"
     planted.symlink_to(outside)
     os.utime(planted, follow_symlinks=False)

@@ -33,18 +33,9 @@ import pytest
 from conftest import SANDBOXES, Gitrun, Result, git, snapshot
 from helpers import CLI_ENV, Template, make_run
 
-from gitrun import gitstore
-from gitrun.checkpoint import (
-    CheckpointStore,
-    _message,
-    _signed_bytes,
-    find_checkpoint_refs,
-    next_state,
-)
-from gitrun.codec import canonical_bytes, decode, encode
-from gitrun.errors import CasFailed, CheckpointRejected, InvalidState
-from gitrun.keys import Keyring, load_keyring, rotate_keyring
-from gitrun.records import (
+from gitrun.core.codec import canonical_bytes, decode, encode
+from gitrun.core.errors import CasFailed, CheckpointRejected, InvalidState
+from gitrun.core.records import (
     AWAITING_APPROVAL,
     DONE,
     NEEDS_REVIEW,
@@ -57,6 +48,15 @@ from gitrun.records import (
     RunState,
     new_key,
 )
+from gitrun.store import gitstore
+from gitrun.store.checkpoint import (
+    CheckpointStore,
+    _message,
+    _signed_bytes,
+    find_checkpoint_refs,
+    next_state,
+)
+from gitrun.store.keys import Keyring, load_keyring, rotate_keyring
 
 pytestmark = pytest.mark.timeout(120)
 

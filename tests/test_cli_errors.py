@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOXES, Gitrun, Result, git, snapshot
 
-from gitrun.errors import Exit
+from gitrun.core.errors import Exit
 
 pytestmark = pytest.mark.timeout(60)
 

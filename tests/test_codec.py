@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gitrun.codec import OMIT_IF_DEFAULT, DecodeError, canonical_bytes, decode, digest, encode
-from gitrun.records import (
+from gitrun.core.codec import OMIT_IF_DEFAULT, DecodeError, canonical_bytes, decode, digest, encode
+from gitrun.core.records import (
     SCHEMA_VERSION,
     Action,
     Budgets,

@@ -2,7 +2,7 @@
 
 Two families of tests drive the real CLI in subprocesses:
 
-* the crash matrix: every named crash point (:data:`gitrun.faults.POINTS`) in every
+* the crash matrix: every named crash point (:data:`gitrun.core.faults.POINTS`) in every
   bundled sandbox (``GITRUN_CRASH_AT=<point>``), and every pass of every point
   (``<point>:<nth>``) in the sandbox that writes most, then ``gitrun resume``;
 * random kills: ``gitrun run`` killed with SIGKILL after a random delay, then
@@ -47,9 +47,10 @@ import pytest
 from conftest import SANDBOXES, Gitrun
 from helpers import hermetic_env
 
-from gitrun import faults, service
-from gitrun.errors import GitrunError
-from gitrun.workspace import Workspace
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core import faults
+from gitrun.core.errors import GitrunError
 
 SANDBOX_NAMES = sorted(p.name for p in SANDBOXES.iterdir() if (p / "task.toml").is_file())
 POINTS = tuple(faults.POINTS)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import Gitrun, git
 
-from gitrun.errors import Exit
+from gitrun.core.errors import Exit
 
 pytestmark = pytest.mark.timeout(120)
 RUN = "x"

@@ -13,13 +13,14 @@ import pygit2
 import pytest
 from conftest import RISKY_SANDBOXES, ROOT, SANDBOX_NAMES, SANDBOXES, Gitrun, Result, git
 
-from gitrun import gitstore, service, trees
-from gitrun.environment import TRAILERS, Environment, Outcome, index_ref
-from gitrun.errors import EnvironmentDrift, Exit, ReceiptConflict, ReceiptDrift
-from gitrun.lease import LeaseManager
-from gitrun.records import Action, Precondition
-from gitrun.task import load_task
-from gitrun.workspace import Workspace
+from gitrun.adapter.environment import TRAILERS, Environment, Outcome, index_ref
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.errors import EnvironmentDrift, Exit, ReceiptConflict, ReceiptDrift
+from gitrun.core.records import Action, Precondition
+from gitrun.core.task import load_task
+from gitrun.store import gitstore, trees
+from gitrun.store.lease import LeaseManager
 
 pytestmark = pytest.mark.timeout(120)
 

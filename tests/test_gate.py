@@ -14,12 +14,13 @@ import pygit2
 import pytest
 from conftest import Gitrun, git, snapshot
 
-from gitrun import gitstore, service
-from gitrun.errors import Exit, GateRejected
-from gitrun.gate import Gate
-from gitrun.records import Action, Budgets
-from gitrun.task import load_task
-from gitrun.workspace import Workspace
+from gitrun.adapter.gate import Gate
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.errors import Exit, GateRejected
+from gitrun.core.records import Action, Budgets
+from gitrun.core.task import load_task
+from gitrun.store import gitstore
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOXES, Gitrun, Result, git, snapshot
 
-from gitrun import errors
-from gitrun.errors import Exit
-from gitrun.records import Action
-from gitrun.workspace import RUN_ID_RE, check_run_id
+from gitrun.app.workspace import RUN_ID_RE, check_run_id
+from gitrun.core import errors
+from gitrun.core.errors import Exit
+from gitrun.core.records import Action
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -206,7 +206,7 @@ def test_a_patch_that_is_not_utf8_lands_byte_exactly_and_its_intent_carries_the_
 
 def test_the_intent_digest_depends_on_the_bytes_only_and_stays_what_it_was_for_utf8() -> None:
     text = "--- a/f\n+++ b/f\n@@ -1 +1 @@\n-a\n+b\n"
-    from gitrun.codec import digest
+    from gitrun.core.codec import digest
 
     legacy = digest({"kind": "apply_patch", "path": None, "content": None, "patch": text})
     assert Action.of_bytes("apply_patch", patch=text.encode()).intent_digest() == legacy
@@ -224,8 +224,8 @@ def test_the_intent_digest_depends_on_the_bytes_only_and_stays_what_it_was_for_u
 
 
 def test_a_utf8_action_keeps_the_record_bytes_and_agent_identity_it_had_before() -> None:
-    from gitrun.agents import ScriptAgent
-    from gitrun.codec import decode, digest, encode
+    from gitrun.core.codec import decode, digest, encode
+    from gitrun.engine.agents import ScriptAgent
 
     legacy = {
         "kind": "apply_patch",

@@ -27,14 +27,15 @@ import pytest
 from conftest import SANDBOXES, Gitrun, git, snapshot
 from helpers import PAUSING_WORKER, one_line
 
-from gitrun import gitstore, service
-from gitrun.checkpoint import find_checkpoint_refs
-from gitrun.codec import canonical_bytes, encode
-from gitrun.environment import Environment, index_ref
-from gitrun.errors import LeaseLost
-from gitrun.lease import Fence, LeaseManager, lease_ref, read_lease
-from gitrun.records import Action, Precondition, new_key
-from gitrun.workspace import Workspace
+from gitrun.adapter.environment import Environment, index_ref
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.codec import canonical_bytes, encode
+from gitrun.core.errors import LeaseLost
+from gitrun.core.records import Action, Precondition, new_key
+from gitrun.store import gitstore
+from gitrun.store.checkpoint import find_checkpoint_refs
+from gitrun.store.lease import Fence, LeaseManager, lease_ref, read_lease
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,11 +51,11 @@ RACING_RECOVERER = """
 import json, os, sys, time
 from dataclasses import replace
 from pathlib import Path
-from gitrun import service
-from gitrun.errors import CasFailed, LeaseHeld, LeaseLost
-from gitrun.lease import Fence, LeaseManager
-from gitrun.records import Event
-from gitrun.workspace import Workspace
+from gitrun.app import service
+from gitrun.core.errors import CasFailed, LeaseHeld, LeaseLost
+from gitrun.store.lease import Fence, LeaseManager
+from gitrun.core.records import Event
+from gitrun.app.workspace import Workspace
 
 run_id, worker, mode, shared, ready, go, out = sys.argv[1:8]
 opened = service.open_run(run_id, service.Options(Workspace(Path(os.environ["GITRUN_HOME"]))))

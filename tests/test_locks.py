@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOXES, Gitrun, git
 
-from gitrun import gitstore
-from gitrun.errors import GitrunError
+from gitrun.core.errors import GitrunError
+from gitrun.store import gitstore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,7 +30,7 @@ FAST = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # the verifier's pytest: no unre
 HOLDER = """
 import sys, time
 from pathlib import Path
-from gitrun import gitstore
+from gitrun.store import gitstore
 repo = gitstore.open_repo(sys.argv[1])
 ref = sys.argv[2]
 with gitstore.os_locks(repo, [ref]):

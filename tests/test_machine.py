@@ -1,6 +1,6 @@
 """The pure state machine: one example per transition, then a stateful property test.
 
-No git and no clock: every test drives ``gitrun.machine.transition`` with events and
+No git and no clock: every test drives ``gitrun.core.machine.transition`` with events and
 checks the next state and the effects the runtime would perform. The stateful test
 (``RunMachine``) sends arbitrary event sequences, illegal ones included, through a
 model adapter and checks the invariants of DESIGN.md §3/§5/§6 after every step.
@@ -34,9 +34,9 @@ from machine_world import (
     write,
 )
 
-from gitrun.codec import digest, encode
-from gitrun.errors import ApprovalRefused, EnvironmentDrift, Exit, Frozen
-from gitrun.machine import (
+from gitrun.core.codec import digest, encode
+from gitrun.core.errors import ApprovalRefused, EnvironmentDrift, Exit, Frozen
+from gitrun.core.machine import (
     AGENT_WRITE_REFUSED,
     CONFLICT_REASON,
     ApprovalAccepted,
@@ -70,7 +70,7 @@ from gitrun.machine import (
     stamp,
     transition,
 )
-from gitrun.records import (
+from gitrun.core.records import (
     AWAITING_APPROVAL,
     DONE,
     FAILED,
@@ -81,7 +81,7 @@ from gitrun.records import (
     Receipt,
     RunState,
 )
-from gitrun.validate import validate_state
+from gitrun.core.validate import validate_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -681,22 +681,24 @@ def test_stamp_adds_what_runtime_commit_adds() -> None:
 
 MACHINE_MODULES = ("machine.py", "machine_events.py", "machine_evidence.py")
 PURE = {
-    "gitrun.codec",
-    "gitrun.records",
-    "gitrun.errors",
-    "gitrun.machine_events",
-    "gitrun.machine_evidence",
+    "gitrun.core.codec",
+    "gitrun.core.records",
+    "gitrun.core.errors",
+    "gitrun.core.machine_events",
+    "gitrun.core.machine_evidence",
 }
 
 
 @pytest.mark.parametrize("name", MACHINE_MODULES)
 def test_the_machine_imports_only_pure_modules_and_reads_no_clock(name: str) -> None:
-    tree = ast.parse((ROOT / "gitrun" / name).read_text())
+    tree = ast.parse((ROOT / "gitrun" / "core" / name).read_text())
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
             imported |= {
-                f"{node.module}.{a.name}" if node.module == "gitrun" else node.module
+                f"{node.module}.{a.name}"
+                if node.module in ("gitrun", "gitrun.core")
+                else node.module
                 for a in node.names
             }
         elif isinstance(node, ast.Import):
@@ -717,7 +719,9 @@ def test_the_machine_imports_only_pure_modules_and_reads_no_clock(name: str) -> 
 
 def test_importing_the_machine_loads_no_pygit2() -> None:
     heavy = "('pygit2', 'cryptography', 'filelock')"
-    code = f"import sys, gitrun.machine; print([m for m in sys.modules if m.startswith({heavy})])"
+    code = (
+        f"import sys, gitrun.core.machine; print([m for m in sys.modules if m.startswith({heavy})])"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 from conftest import RISKY_SANDBOXES, SANDBOX_NAMES, SANDBOXES, Gitrun
 
-from gitrun import service
-from gitrun.codec import decode, digest, encode
-from gitrun.errors import Exit
-from gitrun.machine import (
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.codec import decode, digest, encode
+from gitrun.core.errors import Exit
+from gitrun.core.machine import (
     AGENT_WRITE_REFUSED,
     Finished,
     Grant,
@@ -37,8 +38,7 @@ from gitrun.machine import (
     stamp,
     transition,
 )
-from gitrun.records import Event, Receipt, RunState
-from gitrun.workspace import Workspace
+from gitrun.core.records import Event, Receipt, RunState
 
 pytestmark = pytest.mark.timeout(180)
 RESULT = ("exit_code", "timed_out")

@@ -41,7 +41,7 @@ def test_every_durable_file_gitrun_writes_goes_through_the_one_atomic_path() -> 
         for name, where, line in _calls(path)
         if name in WRITES
     ]
-    assert not stray, "write through gitrun.atomicfile instead:\n" + "\n".join(stray)
+    assert not stray, "write through gitrun.store.atomicfile instead:\n" + "\n".join(stray)
 
 
 def test_every_runtime_is_built_by_its_one_factory() -> None:

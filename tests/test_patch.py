@@ -1,4 +1,4 @@
-"""gitrun.patch against real ``git diff`` output: parse, apply strictly, refuse clearly."""
+"""gitrun.core.patch against real ``git diff`` output: parse, apply strictly, refuse clearly."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gitrun.errors import GateRejected, PatchError
-from gitrun.patch import (
+from gitrun.core.errors import GateRejected, PatchError
+from gitrun.core.patch import (
     FilePatch,
     Hunk,
     apply_file_patch,

@@ -24,9 +24,9 @@ import pytest
 from conftest import SANDBOXES, Gitrun, git, snapshot
 from helpers import PAUSING_WORKER, one_line
 
-from gitrun import service
-from gitrun.errors import Exit
-from gitrun.workspace import Workspace
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.errors import Exit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -247,7 +247,7 @@ def test_concurrent_first_runs_in_a_fresh_workspace_all_stay_verifiable(
 KEYRING_RACER = """
 import os, sys, time
 from pathlib import Path
-from gitrun.keys import load_keyring
+from gitrun.store.keys import load_keyring
 
 path, go = Path(sys.argv[1]), Path(sys.argv[2])
 while not go.exists():

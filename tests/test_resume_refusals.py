@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOXES, Gitrun, git, snapshot
 
-from gitrun.errors import Exit
+from gitrun.core.errors import Exit
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,15 +23,12 @@ import pytest
 from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, snapshot
 from helpers import CLI_ENV, Keys, RunCopy, hermetic
 
-from gitrun import gitstore, service
-from gitrun.agents import load_agent
-from gitrun.approvals import review_claims
-from gitrun.codec import decode, digest, encode
-from gitrun.environment import index_ref
-from gitrun.errors import Exit, Frozen, ReceiptConflict
-from gitrun.evidence import REVIEW_DOMAIN, Signed, sign
-from gitrun.lease import LeaseManager
-from gitrun.records import (
+from gitrun.adapter.environment import index_ref
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.codec import decode, digest, encode
+from gitrun.core.errors import Exit, Frozen, ReceiptConflict
+from gitrun.core.records import (
     ADAPTER_VERSION,
     DONE,
     FAILED,
@@ -40,8 +37,12 @@ from gitrun.records import (
     Action,
     new_key,
 )
-from gitrun.runtime import Runtime
-from gitrun.workspace import Workspace
+from gitrun.engine.agents import load_agent
+from gitrun.engine.approvals import review_claims
+from gitrun.engine.runtime import Runtime
+from gitrun.store import gitstore
+from gitrun.store.evidence import REVIEW_DOMAIN, Signed, sign
+from gitrun.store.lease import LeaseManager
 
 pytestmark = pytest.mark.timeout(120)
 

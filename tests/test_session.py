@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, SANDBOXES, Gitrun, git, snapshot
 from session_client import Rpc, load_schemas, problems
 
-from gitrun import session_rpc
+from gitrun.engine import session_rpc
 
 FIX = (SANDBOXES / "fix-median" / "patches" / "fix.diff").read_text()
 AGENTS = Path(__file__).resolve().parent / "session_agents"

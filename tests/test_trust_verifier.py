@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import Gitrun, git, snapshot
 
-from gitrun import sandbox
+from gitrun.adapter import sandbox
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -570,7 +570,7 @@ def test_the_scratch_tree_comes_from_git_objects_with_modes_and_links_and_no_rep
 ) -> None:
     import pygit2
 
-    from gitrun.materialise import materialise
+    from gitrun.adapter.materialise import materialise
 
     repo_dir = tmp_path / "r"
     (repo_dir / "sub").mkdir(parents=True)
@@ -612,7 +612,7 @@ def test_the_scratch_tree_comes_from_git_objects_with_modes_and_links_and_no_rep
 def test_a_tree_entry_git_would_not_check_out_is_refused(tmp_path: Path, name: str) -> None:
     import pygit2
 
-    from gitrun.materialise import UnsafeTree, materialise
+    from gitrun.adapter.materialise import UnsafeTree, materialise
 
     repo_dir = tmp_path / "r"
     git(tmp_path, "init", "-q", str(repo_dir))
@@ -654,7 +654,7 @@ else:
 def test_a_key_file_whose_directory_cannot_be_hidden_is_covered_by_dev_null(
     outside_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gitrun.verifier import Secrets, VerifierSpec, run_verifier
+    from gitrun.engine.verifier import Secrets, VerifierSpec, run_verifier
 
     workdir = outside_tmp / "tree"  # the key's directory holds the tree: it cannot be hidden
     workdir.mkdir()
@@ -694,7 +694,7 @@ time.sleep(30)
 def test_in_the_sandbox_a_test_that_kills_its_supervisor_still_leaves_no_process_behind(
     tmp_path: Path,
 ) -> None:
-    from gitrun.verifier import VerifierSpec, run_verifier
+    from gitrun.engine.verifier import VerifierSpec, run_verifier
 
     token = f"gitrun-escapee-{os.getpid()}"
     spec = VerifierSpec(("{python}", "-c", KILLS_ITS_SUPERVISOR, token), False, ("t",), (), 30.0)

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from conftest import Gitrun, git, snapshot
 
-from gitrun import service
-from gitrun.errors import EnvironmentDrift, Exit
-from gitrun.workspace import Workspace
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
+from gitrun.core.errors import EnvironmentDrift, Exit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,7 +157,7 @@ def test_a_link_planted_after_the_write_committed_stops_the_file_sync_and_lands_
 def test_the_file_writer_follows_no_symlink_even_one_planted_after_every_check(
     tmp_path: Path,
 ) -> None:
-    from gitrun import safefs
+    from gitrun.adapter import safefs
 
     root, outside = tmp_path / "wt", tmp_path / "outside"
     (root / "stats").mkdir(parents=True)
@@ -204,8 +204,8 @@ def _rewrite_pending_as_old_gitrun(gitrun: Gitrun, path: str) -> None:
     ``delete_file <path>``: what a gitrun without today's gate rules would have stored."""
     from dataclasses import replace
 
-    from gitrun.lease import LeaseManager
-    from gitrun.records import Action
+    from gitrun.core.records import Action
+    from gitrun.store.lease import LeaseManager
 
     opts = service.Options(Workspace(gitrun.home), worker="old-gitrun")
     opened = service.open_run(RUN, opts)
@@ -290,7 +290,7 @@ def _objects_have(repo: Path, oid: str) -> bool:
 
 
 def test_a_forbidden_glob_covers_the_directory_itself(tmp_path: Path) -> None:
-    from gitrun.gate import forbidden_match
+    from gitrun.adapter.gate import forbidden_match
 
     assert forbidden_match("tests", "tests/**")
     assert forbidden_match("tests/x.py", "tests/**")
@@ -342,8 +342,8 @@ def test_a_chmod_after_the_run_ended_shows_in_status_as_plain_git_does(
     worktree = Path(_record(gitrun)["worktree"])
     (worktree / "stats" / "median.py").chmod(0o755)
     assert git(worktree, "status", "--porcelain").strip() == "M stats/median.py"
-    from gitrun import gitstore
-    from gitrun.environment import Environment
+    from gitrun.adapter.environment import Environment
+    from gitrun.store import gitstore
 
     repo = gitstore.open_repo(_record(gitrun)["repo"])
     env = Environment(repo, RUN, worktree, "fix-median@1")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gitrun import junit
-from gitrun.errors import BadInput, LeaseLost
-from gitrun.verifier import VerifierResult, VerifierSpec, run_verifier
+from gitrun.core import junit
+from gitrun.core.errors import BadInput, LeaseLost
+from gitrun.engine.verifier import VerifierResult, VerifierSpec, run_verifier
 
 pytestmark = pytest.mark.timeout(60)
 

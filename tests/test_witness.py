@@ -21,8 +21,8 @@ import pytest
 from conftest import SANDBOXES, Gitrun, Result, git, relocate_workspace, snapshot
 from helpers import CLI_ENV, Keys, Templates, hermetic, make_run
 
-from gitrun.errors import Exit
-from gitrun.witness import SLOT_SIZE
+from gitrun.core.errors import Exit
+from gitrun.store.witness import SLOT_SIZE
 
 pytestmark = pytest.mark.timeout(120)
 

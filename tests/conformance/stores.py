@@ -28,13 +28,8 @@ from memory_stores import (
     MemoryWrite,
 )
 
-from gitrun import gitstore
-from gitrun.checkpoint import CheckpointStore, checkpoint_ref
-from gitrun.contracts import CheckpointLog, LeaseStore, ReceiptStore
-from gitrun.keys import Keyring
-from gitrun.lease import Fence, LeaseManager
-from gitrun.receipts import GitReceiptLog, branch_ref, index_ref
-from gitrun.records import (
+from gitrun.core.contracts import CheckpointLog, LeaseStore, ReceiptStore
+from gitrun.core.records import (
     RUNNING,
     SCHEMA_VERSION,
     Budgets,
@@ -43,7 +38,12 @@ from gitrun.records import (
     RunState,
     Scope,
 )
-from gitrun.task import scenario_fingerprint
+from gitrun.core.task import scenario_fingerprint
+from gitrun.store import gitstore
+from gitrun.store.checkpoint import CheckpointStore, checkpoint_ref
+from gitrun.store.keys import Keyring
+from gitrun.store.lease import Fence, LeaseManager
+from gitrun.store.receipts import GitReceiptLog, branch_ref, index_ref
 
 RUN = "run-1"
 TASK = "task-1"

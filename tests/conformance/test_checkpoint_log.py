@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from conformance.stores import PARTS, REF, Stores, sample_state
-from gitrun.errors import CasFailed, CheckpointRejected, InvalidState, LeaseLost
-from gitrun.lease import Fence
+from gitrun.core.errors import CasFailed, CheckpointRejected, InvalidState, LeaseLost
+from gitrun.store.lease import Fence
 
 pytestmark = pytest.mark.timeout(30)
 

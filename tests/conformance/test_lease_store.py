@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conformance.stores import REF, Stores, sample_state
-from gitrun.errors import LeaseHeld, LeaseLost
+from gitrun.core.errors import LeaseHeld, LeaseLost
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.stores import Stores
-from gitrun.contracts import ReceiptStore
-from gitrun.errors import CasFailed, LeaseLost, ReceiptConflict, ReceiptDrift
-from gitrun.lease import Fence
-from gitrun.records import Receipt
+from gitrun.core.contracts import ReceiptStore
+from gitrun.core.errors import CasFailed, LeaseLost, ReceiptConflict, ReceiptDrift
+from gitrun.core.records import Receipt
+from gitrun.store.lease import Fence
 
 pytestmark = pytest.mark.timeout(30)
 

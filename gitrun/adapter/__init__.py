@@ -1,0 +1,1 @@
+"""The environment adapter: one worktree per run, its files, the gate, sandboxed commands."""

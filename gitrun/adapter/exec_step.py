@@ -1,0 +1,277 @@
+"""An ``exec`` step: a shell command whose side effect is the change it made to the worktree.
+
+The worktree must hold exactly the precondition tree before the command runs. The
+command runs confined (:mod:`gitrun.adapter.shell`); then the whole change it made is scanned,
+gated path by path, and committed as ONE write commit with the usual trailers plus
+
+    Gitrun-Exit-Code: <int, or "timeout">
+    Gitrun-Output: <blob oid of the bounded output>
+    Gitrun-Output-Digest: sha256:<hex of that output>
+
+moved by the same fenced compare-and-swap as any write (the commit point). The output
+blob is kept reachable by ``refs/gitrun/runs/<run>/outputs/<key>``, written (fenced)
+before the commit point, so ``git show <oid>`` reads it and ``git gc`` keeps it; a crash
+before the commit point leaves that ref pointing at an output nothing claims, replaced
+when the command runs again under the same key. A command that changes nothing still
+commits (same tree): its key is durable. A change the gate refuses puts the worktree back
+to the precondition tree and raises :class:`ExecRefused`; nothing is committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pygit2
+
+from gitrun.adapter import shell
+from gitrun.adapter.environment import Approval, Environment, Outcome, _expiry_check
+from gitrun.adapter.gate import Gate
+from gitrun.adapter.sandbox import Confinement
+from gitrun.core import faults
+from gitrun.core.codec import encode
+from gitrun.core.errors import EnvironmentDrift, GateRejected, GitrunError, ReceiptConflict, Refused
+from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
+from gitrun.store import gitstore, trees
+from gitrun.store.lease import Fence, fence_guard
+
+if TYPE_CHECKING:
+    from gitrun.engine.runtime import Runtime
+
+TIMEOUT = "timeout"
+STARTED_FILE = "gitrun-exec-started"  # in the worktree's git dir: the key last started
+
+
+class ExecRefused(GateRejected):
+    """The command's change breaks a gate rule: the worktree was put back, nothing committed."""
+
+
+@dataclass(frozen=True)
+class ExecContext:
+    """How to run an exec step: the gate for its change, the isolation, the lease heartbeat."""
+
+    gate: Gate
+    confinement: Confinement
+    hidden: shell.Hidden
+    heartbeat: Callable[[], None] | None = None
+
+
+def open_interrupted_review(rt: Runtime, discarded: list[str]) -> None:
+    """Freeze the run for a human: the pending exec's command may have run (``retry =
+    "review"``); its worktree effects are already discarded, any outside ones are unknown."""
+    s = rt.state
+    p = s.pending
+    if p is None:
+        raise GitrunError("no pending exec to review")
+    what = (
+        f"its effects on {', '.join(discarded[:5])} were discarded"
+        if discarded
+        else ("it left no change in the worktree")
+    )
+    reason = (
+        f"exec interrupted while its command may have been running ({what}); policy.exec.retry "
+        "is review: decide replan (run it again under a new key) or abort"
+    )
+    at = time.time()
+    case = ReviewCase(
+        p.action, p.key, p.intent_digest, "", None, "", str(rt.env.head().id), reason, at
+    )
+    event = Event(
+        "exec_interrupted", at, {"key": p.key, "discarded": discarded, "case": encode(case)}
+    )
+    rt.commit(
+        replace(s, phase=NEEDS_REVIEW, stop_reason="exec_interrupted", review=case).with_events(
+            event
+        )
+    )
+    rt.say(f"review needed for {p.key}: {reason}; run frozen")
+
+
+def output_ref(run_id: str, key: str) -> str:
+    return f"refs/gitrun/runs/{run_id}/outputs/{key}"
+
+
+def output_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def output_of(repo: pygit2.Repository, receipt: Receipt) -> bytes | None:
+    """The bounded output an exec receipt points at (None for other receipts)."""
+    if receipt.output is None:
+        return None
+    return gitstore.read_blob(repo, pygit2.Oid(hex=receipt.output))
+
+
+def execute(
+    env: Environment,
+    action: Action,
+    key: str,
+    intent_digest: str,
+    pre: Precondition,
+    fence: Fence,
+    approval: Approval | None,
+    ctx: ExecContext,
+) -> Outcome:
+    """Run the exec step at most once for ``key`` (see the module docstring)."""
+    if action.intent_digest() != intent_digest:
+        raise Refused(f"intent digest {intent_digest} does not match the action")
+    found = env.lookup(key, since=pre.head)
+    if found is not None:
+        if found.intent_digest != intent_digest:
+            raise ReceiptConflict(found, intent_digest)
+        return Outcome(found, replayed=True)
+    head = env.head()
+    env._check_precondition(head, pre)
+    env._check_fence(head, fence, approval)
+    ran = _run_on_clean_tree(env, action, key, head, fence, ctx)
+    changes = shell.scan(env.repo, env.worktree, head.tree, write=True)
+    new_tree = _checked_tree(env, ctx.gate, head.tree, changes, fence)
+    blob = env.repo.create_blob(ran.output)
+    _keep_output(env, key, blob, fence)
+    code = TIMEOUT if ran.exit_code is None else str(ran.exit_code)
+    extra = [
+        f"Gitrun-Exit-Code: {code}",
+        f"Gitrun-Output: {blob}",
+        f"Gitrun-Output-Digest: {output_digest(ran.output)}",
+    ]
+    oid = env._commit(
+        action, key, intent_digest, pre, fence, approval, head, new_tree, sorted(changes), extra
+    )
+    faults.point("after_write_commit_object")
+    expiry = [gitstore.Guard(env.branch, _expiry_check(approval))] if approval else []
+    appended = env.receipt_log.append(oid, str(head.id), fence, guards=expiry)
+    if appended.replayed:
+        return Outcome(appended.receipt, replayed=True)
+    env.write_count += 1
+    faults.point("after_receipt_index")
+    faults.point("after_file_sync")  # the files on disk already are the commit's
+    return Outcome(appended.receipt, replayed=False)
+
+
+def _run_on_clean_tree(
+    env: Environment, action: Action, key: str, head: pygit2.Commit, fence: Fence, ctx: ExecContext
+) -> shell.Ran:
+    """Run the command on a worktree that is exactly HEAD, marked started under the lease."""
+    dirty = shell.scan(env.repo, env.worktree, head.tree)
+    if dirty:
+        raise EnvironmentDrift(
+            "uncommitted-edits",
+            f"{', '.join(sorted(dirty)[:5])} differ from HEAD in {env.worktree}; an exec step "
+            "runs only on the precondition tree",
+        )
+    with env.fenced(fence):  # the lease is current (checked under its OS lock) as it starts
+        _mark_started(env, key)
+    ran = shell.run(
+        action, env.worktree, confinement=ctx.confinement, hidden=ctx.hidden,
+        heartbeat=ctx.heartbeat,
+    )  # fmt: skip
+    faults.point("exec_done")
+    return ran
+
+
+def _mark_started(env: Environment, key: str) -> None:
+    """Record, durably and before the command starts, that ``key``'s command may have run
+    (in the worktree's private git dir): resume under ``retry = "review"`` asks for it."""
+    gitdir = Path(env.wt.path)
+    tmp = gitdir / f"{STARTED_FILE}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, key.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, gitdir / STARTED_FILE)
+    gitstore.fsync_dir(gitdir)
+
+
+def may_have_started(env: Environment, key: str) -> bool:
+    """Whether the command of ``key`` may have started (see :func:`_mark_started`)."""
+    try:
+        return (Path(env.wt.path) / STARTED_FILE).read_text() == key
+    except OSError:
+        return False
+
+
+def _checked_tree(
+    env: Environment,
+    gate: Gate,
+    old: pygit2.Tree,
+    changes: dict[str, shell.Entry | None],
+    fence: Fence,
+) -> pygit2.Oid:
+    """The tree the change makes, if every changed path passes the gate; else the worktree
+    is put back to ``old`` and :class:`ExecRefused` names the rule."""
+    oid = trees.tree_with_changes(env.repo, old, as_tree_changes(changes))
+    new = env.repo[oid]
+    if not isinstance(new, pygit2.Tree):
+        raise EnvironmentDrift("exec-tree", f"{oid} is not a tree")
+    try:
+        gate.check_exec_changes(changes, old, new)
+    except GateRejected as exc:
+        discarded = put_back(env, old, fence)
+        shown = ", ".join(discarded[:5]) + (" ..." if len(discarded) > 5 else "")
+        said = exc.message.removeprefix(exc.rule + ": ")
+        raise ExecRefused(
+            exc.rule,
+            f"{said}; the worktree was put back to the precondition tree "
+            f"(discarded: {shown or 'nothing'}); nothing was committed",
+        ) from exc
+    return oid
+
+
+def as_tree_changes(changes: dict[str, shell.Entry | None]) -> dict[str, trees.Change]:
+    """The scan's (mode, blob) entries as :func:`trees.tree_with_changes` takes them."""
+    out: dict[str, trees.Change] = {}
+    for path, found in changes.items():
+        if found is None:
+            out[path] = None
+        elif found[1] is not None:
+            out[path] = (found[1], found[0])
+    return out
+
+
+def put_back(env: Environment, tree: pygit2.Tree, fence: Fence) -> list[str]:
+    """Restore the worktree to ``tree`` as the lease holder; the paths discarded."""
+    with env.fenced(fence):
+        return shell.restore(env.repo, env.worktree, tree)
+
+
+def _keep_output(env: Environment, key: str, blob: pygit2.Oid, fence: Fence) -> None:
+    """Point ``outputs/<key>`` at the output blob, fenced: reachable before the commit point."""
+    ref = output_ref(env.run_id, key)
+    current = gitstore.read_ref(env.repo, ref)
+    if current == blob:
+        return
+    gitstore.update_ref(
+        env.repo, ref, current, blob, guards=[fence_guard(env.repo, env.run_id, fence)],
+        message=f"gitrun exec output {key}",
+    )  # fmt: skip
+
+
+def tip_is_pending_exec(env: Environment, gate: Gate, tip: pygit2.Commit) -> None:
+    """Refuse, as drift, an exec commit whose change the gate would not have let through
+    (its tree cannot be recomputed: the command's effects are only known from it)."""
+    parent = tip.parents[0]
+    changes: dict[str, shell.Entry | None] = {}
+    for path in trees.changed_paths(parent.tree, tip.tree):
+        mode = trees.entry_mode(tip.tree, path)
+        obj = trees.entry(tip.tree, path)
+        changes[path] = None if mode is None or obj is None else (mode, obj.id)
+    changes = {p: e for p, e in changes.items() if e is None or e[0] != trees.TREE}
+    try:
+        gate.check_exec_changes(changes, parent.tree, tip.tree)
+    except GateRejected as exc:
+        raise EnvironmentDrift(
+            "foreign-commit", f"{tip.id} carries the exec's key but a change it refuses: {exc}"
+        ) from exc
+    output = tip.message_trailers.get("Gitrun-Output", "")
+    blob = env.repo.get(output) if output else None
+    if not isinstance(blob, pygit2.Blob) or output_digest(blob.data) != tip.message_trailers.get(
+        "Gitrun-Output-Digest"
+    ):
+        raise EnvironmentDrift("foreign-commit", f"{tip.id} names no output matching its digest")

@@ -1,0 +1,1 @@
+"""The application: use cases, the workspace registry, reports, agent sessions."""

@@ -1,0 +1,145 @@
+"""Open an existing run for a use case: its record, task, repository, environment, and
+the checkpoint store that verifies it.
+
+Shared by the run use cases (:mod:`gitrun.app.service`) and the read-only and evidence ones
+(:mod:`gitrun.app.reports`); it loads nothing ``gitrun status`` does not need (no agents,
+runtime, approvals or cryptography at import).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pygit2
+
+from gitrun.adapter.environment import Environment
+from gitrun.app.workspace import RunRecord, Workspace, check_run_id
+from gitrun.core.errors import CheckpointRejected, GitrunError
+from gitrun.core.task import Task, load_task
+from gitrun.store import gitstore, trees
+from gitrun.store.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
+from gitrun.store.keys import Keyring, load_keyring
+from gitrun.store.lease import DEFAULT_DURATION, default_worker_id
+from gitrun.store.witness import Witness
+
+if TYPE_CHECKING:
+    from gitrun.engine.approvals import Approvals
+    from gitrun.engine.verifier import Secrets
+
+__all__ = [
+    "Opened",
+    "Options",
+    "base_parts",
+    "checkpoint_store",
+    "keyring_store",
+    "load_verified",
+    "open_run",
+    "the_ref",
+]
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+@dataclass
+class Options:
+    workspace: Workspace
+    worker: str = field(default_factory=default_worker_id)
+    lease_seconds: float = DEFAULT_DURATION
+    takeover_after: float | None = None
+    say: Callable[[str], None] = _quiet
+    trust_roots: Path | None = None
+    isolation: str | None = None  # --isolation: overrides the task's [verifier] isolation
+
+    @property
+    def approvals(self) -> Approvals:
+        from gitrun.engine.approvals import Approvals
+        from gitrun.store.evidence import load_trust_roots
+
+        return Approvals(load_trust_roots(self.trust_roots) if self.trust_roots else None)
+
+    @property
+    def secrets(self) -> Secrets:
+        """What the code under test must never see: this workspace and its keyring."""
+        from gitrun.engine.verifier import Secrets
+
+        return Secrets((self.workspace.root,), (self.workspace.key_file,))
+
+
+@dataclass
+class Opened:
+    record: RunRecord
+    task: Task
+    repo: pygit2.Repository
+    env: Environment
+    store: CheckpointStore
+
+
+def base_parts(task: Task, repo: pygit2.Repository, record_base: str | None) -> dict[str, str]:
+    """Scenario parts from the task file as handed in now (initial state recomputed)."""
+    if task.initial.repo_dir is not None:
+        commit, tree = trees.hash_base(Path(task.initial.repo_dir), task.initial.message)
+    elif task.initial.commit is not None:
+        commit = task.initial.commit
+        obj = repo.get(commit)
+        tree = str(obj.tree_id) if isinstance(obj, pygit2.Commit) else "missing"
+    else:
+        commit = record_base or ""
+        obj = repo.get(commit) if commit else None
+        tree = str(obj.tree_id) if isinstance(obj, pygit2.Commit) else "missing"
+    return task.scenario_parts(commit, tree)
+
+
+def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
+    """The checkpoint store of an existing run: its keyring must exist (never made here)."""
+    return checkpoint_store(repo, ws, load_keyring(ws.key_file, create=False))
+
+
+def checkpoint_store(repo: pygit2.Repository, ws: Workspace, keyring: Keyring) -> CheckpointStore:
+    """The one way the product builds a checkpoint store: always with the workspace's
+    freshness witness, since a signature alone proves no freshness."""
+    return CheckpointStore(repo, keyring, Witness(ws.witness_dir, keyring))
+
+
+def open_run(run_id: str, opts: Options, task_dir: Path | None = None) -> Opened:
+    ws = opts.workspace
+    record = ws.load(check_run_id(run_id))
+    task = load_task(task_dir or record.task_dir)
+    repo = gitstore.open_repo(record.repo)
+    env = Environment(repo, record.run_id, Path(record.worktree), f"{task.id}@{task.version}")
+    return Opened(record, task, repo, env, keyring_store(repo, ws))
+
+
+def the_ref(opened: Opened) -> str | None:
+    """The run's checkpoint ref: read by name (cheap), else found by a scan."""
+    try:
+        direct = checkpoint_ref(opened.record.run_id, opened.task.id, opened.env.instance_id())
+    except GitrunError:
+        direct = None
+    if direct is not None and gitstore.read_ref(opened.repo, direct) is not None:
+        return direct
+    refs = find_checkpoint_refs(opened.repo, opened.record.run_id)
+    if len(refs) > 1:
+        raise CheckpointRejected(
+            "ambiguous", f"run {opened.record.run_id} has {len(refs)} checkpoint refs"
+        )
+    return refs[0] if refs else None
+
+
+def load_verified(opened: Opened, *, check_scenario: bool = True) -> tuple[str, Stored]:
+    ref = the_ref(opened)
+    if ref is None:
+        raise CheckpointRejected(
+            "high-water-mark-missing",
+            f"run {opened.record.run_id} has no checkpoint ref under refs/gitrun/runs/"
+            f"{opened.record.run_id}/checkpoints/; nothing can be trusted"
+            + opened.store.witnessed(opened.record.run_id),
+        )
+    parts = (
+        base_parts(opened.task, opened.repo, opened.record.base_commit) if check_scenario else None
+    )
+    return ref, opened.store.load(ref, scenario_parts=parts)

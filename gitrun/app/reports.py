@@ -1,0 +1,209 @@
+"""Read-only and evidence use cases behind the CLI: status, receipts, checkpoints, verify,
+rewitness, approve and review.
+
+None of them drives a run. ``gitrun status`` (hooks call it once per agent tool call,
+issue #15) imports this module on its fast path, so whatever only approving or reviewing
+needs (approvals, evidence signing, diffs) is imported inside those functions.
+:mod:`gitrun.app.service` re-exports every use case here.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pygit2
+
+from gitrun.app.opening import Opened, Options, load_verified, open_run, the_ref
+from gitrun.core.codec import encode
+from gitrun.core.errors import BadInput, CheckpointRejected, LeaseUnreadable
+from gitrun.core.records import AWAITING_APPROVAL, RunState
+from gitrun.store.checkpoint import Stored
+from gitrun.store.lease import read_lease
+
+if TYPE_CHECKING:
+    from gitrun.store.evidence import Signed
+
+__all__ = [
+    "approve",
+    "checkpoints",
+    "receipts",
+    "review_case",
+    "review_decide",
+    "rewitness",
+    "status",
+    "verify",
+]
+
+
+def status(run_id: str, opts: Options) -> dict[str, Any]:
+    """Everything a user needs to know about a run, from the verified checkpoint."""
+    opened = open_run(run_id, opts)
+    rec = opened.record
+    out: dict[str, Any] = {
+        "run_id": rec.run_id,
+        "repo": rec.repo,
+        "worktree": rec.worktree,
+        "branch": rec.branch.removeprefix("refs/heads/"),
+        "task_dir": rec.task_dir,
+        "workspace": str(opts.workspace.root),
+        "key_file": str(opts.workspace.key_file),
+        "lease": _lease_info(opened),
+    }
+    try:
+        ref, stored = load_verified(opened, check_scenario=False)
+    except CheckpointRejected as exc:
+        return {**out, **_unverified_info(opened, exc)}
+    return {**out, **_checkpoint_info(opened, ref, stored)}
+
+
+def _unverified_info(opened: Opened, exc: CheckpointRejected) -> dict[str, Any]:
+    """Status fields when the checkpoint does not verify: the phase is unknown, and why."""
+    return {
+        "task_id": opened.task.id,
+        "phase": "unknown",
+        "stop_reason": None,
+        "checkpoint_error": str(exc),
+        "head": None,
+        "pending": None,
+        "receipts": [],
+        "verifier": None,
+        "isolation": None,
+    }
+
+
+def _checkpoint_info(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]:
+    """Status fields from the verified checkpoint (and the receipts on the run's branch)."""
+    s = stored.state
+    return {
+        "task_id": s.task_id,
+        "phase": s.phase,
+        "stop_reason": s.stop_reason,
+        "generation": s.generation,
+        "checkpoint_ref": ref,
+        "checkpoint": str(stored.oid),
+        "head": s.env.head,
+        "instance_id": s.env.instance_id,
+        "pending": _pending_info(s),
+        "receipts": [encode(r) for r in opened.env.receipts()],
+        "verifier": None if s.verifier is None else encode(s.verifier),
+        "isolation": None if s.verifier is None else s.verifier.isolation,
+        "budgets": encode(s.budgets),
+        "review": None if s.review is None else encode(s.review),
+    }
+
+
+def _pending_info(s: RunState) -> dict[str, Any] | None:
+    """The pending action as status shows it: its key, summary, digest, risk, approval."""
+    if s.pending is None:
+        return None
+    return {
+        "key": s.pending.key,
+        "action": s.pending.action.summary(),
+        "intent_digest": s.pending.intent_digest,
+        "risk": s.pending.risk,
+        "approval": s.pending.approval,
+    }
+
+
+def _lease_info(opened: Opened) -> dict[str, Any] | None:
+    """The lease as status shows it; a ref rewritten to garbage is shown, not fatal."""
+    try:
+        lease, _ = read_lease(opened.repo, opened.record.run_id)
+    except LeaseUnreadable as exc:
+        return {"unreadable": str(exc), "oid": exc.oid}
+    return None if lease is None else {**encode(lease), "live": lease.expires_at > time.time()}
+
+
+def receipts(run_id: str, opts: Options) -> list[dict[str, Any]]:
+    opened = open_run(run_id, opts)
+    return [encode(r) for r in opened.env.receipts()]
+
+
+def checkpoints(run_id: str, opts: Options) -> list[Stored]:
+    opened = open_run(run_id, opts)
+    ref = the_ref(opened)
+    if ref is None:
+        raise CheckpointRejected("high-water-mark-missing", f"run {run_id} has no checkpoint ref")
+    return opened.store.chain(ref)
+
+
+def verify(run_id: str, opts: Options, task_dir: Path | None) -> Stored:
+    opened = open_run(run_id, opts, task_dir)
+    _, stored = load_verified(opened)
+    return stored
+
+
+def rewitness(run_id: str, opts: Options, generation: int) -> Stored:
+    """Accept the checkpoint the ref holds now as the newest (after restoring a backup)."""
+    opened = open_run(run_id, opts)
+    ref = the_ref(opened)
+    if ref is None:
+        raise CheckpointRejected("high-water-mark-missing", f"run {run_id} has no checkpoint ref")
+    return opened.store.rewitness(ref, generation)
+
+
+def approve(
+    run_id: str, opts: Options, key_file: Path, ttl_seconds: float, note: str
+) -> tuple[RunState, Signed, str]:
+    """Sign an approval for the pending action and leave it for the runtime."""
+    from gitrun.adapter.show import action_diff
+    from gitrun.engine.approvals import approval_claims, submit
+    from gitrun.store.evidence import APPROVAL_DOMAIN, load_trust_roots
+    from gitrun.store.evidence import sign as sign_evidence
+    from gitrun.store.evidence import verify as verify_evidence
+
+    opened = open_run(run_id, opts)
+    _, stored = load_verified(opened)
+    state = stored.state
+    if state.phase != AWAITING_APPROVAL or state.pending is None:
+        raise BadInput(f"run {run_id} is {state.phase}; there is nothing to approve")
+    claims = approval_claims(state, note, ttl_seconds)
+    signed = sign_evidence(claims, key_file, "approver", APPROVAL_DOMAIN)
+    if opts.trust_roots is not None:
+        verify_evidence(signed, load_trust_roots(opts.trust_roots), "approver", APPROVAL_DOMAIN)
+    submit(opened.repo, run_id, "approval", signed)
+    base = opened.repo.get(state.pending.precondition.head)
+    tree = base.tree if isinstance(base, pygit2.Commit) else opened.env.head().tree
+    return state, signed, action_diff(opened.repo, state.pending.action, tree)
+
+
+def review_case(run_id: str, opts: Options) -> tuple[RunState, str]:
+    """The open review case and its two diffs side by side."""
+    from gitrun.adapter.show import action_diff, commit_diff, side_by_side
+
+    opened = open_run(run_id, opts)
+    _, stored = load_verified(opened)
+    state = stored.state
+    case = state.review
+    if case is None or state.pending is None:
+        raise BadInput(f"run {run_id} is {state.phase}; it has no open review case")
+    base = opened.repo.get(state.pending.precondition.head)
+    tree = base.tree if isinstance(base, pygit2.Commit) else opened.env.head().tree
+    left = action_diff(opened.repo, case.action, tree)
+    if case.receipt is None:  # an interrupted exec: nothing was committed
+        title, right = "no receipt", case.reason + "\n"
+    else:
+        title = f"committed receipt {case.receipt.commit[:12]} {case.receipt_digest[:23]}"
+        right = commit_diff(opened.repo, case.receipt.commit)
+    text = side_by_side(f"pending intent {case.pending_digest[:23]}", left, title, right)
+    return state, text
+
+
+def review_decide(run_id: str, opts: Options, key_file: Path, decision: str) -> Signed:
+    from gitrun.engine.approvals import review_claims, submit
+    from gitrun.store.evidence import REVIEW_DOMAIN
+    from gitrun.store.evidence import sign as sign_evidence
+
+    opened = open_run(run_id, opts)
+    _, stored = load_verified(opened)
+    if decision not in ("replan", "abort"):
+        raise BadInput(f"decision must be replan or abort, not {decision!r}")
+    if stored.state.review is None:
+        raise BadInput(f"run {run_id} is {stored.state.phase}; it has no open review case")
+    signed = sign_evidence(
+        review_claims(stored.state, decision), key_file, "reviewer", REVIEW_DOMAIN
+    )
+    submit(opened.repo, run_id, "review", signed)
+    return signed

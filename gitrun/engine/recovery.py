@@ -1,0 +1,245 @@
+"""Reconciliation on resume: accept the environment only if it is exactly the
+checkpointed state, or that state plus the one commit the pending intent produces.
+
+Window by window (DESIGN.md §3):
+
+1. no pending intent: re-observe; the agent decides again from the same cursor;
+2. intent persisted, branch unmoved: the loop executes it once with the same key;
+3. branch moved by exactly the pending write: verify that commit is the deterministic
+   result (parent, trailers, tree), finish an interrupted file sync, record the receipt;
+4. receipt recorded: nothing to redo; the loop replays only the state transition.
+
+The receipt cached in the checkpoint is checked against the authoritative commit first:
+any drift stops the run with a clear error and never claims a replay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pygit2
+
+from gitrun.adapter import exec_step, shell
+from gitrun.core.codec import encode
+from gitrun.core.errors import EnvironmentDrift, GateRejected, GitrunError, ReceiptDrift
+from gitrun.core.exec_policy import REVIEW
+from gitrun.core.records import EXEC, Event, RunState
+from gitrun.engine.runtime import Runtime
+from gitrun.store import gitstore, trees
+
+
+def check_cached_receipt(rt: Runtime, *, repair: bool = True) -> None:
+    """The checkpoint's last receipt must equal, field by field, the commit it names."""
+    last = rt.state.receipts.last
+    if last is None:
+        return
+    found = rt.env.lookup(last.key, repair=repair)
+    if found is None:
+        raise ReceiptDrift(
+            "receipt-missing",
+            f"the checkpoint records {last.commit} for {last.key}, but no such write is on "
+            f"{rt.env.branch} (history rewritten?)",
+        )
+    cached, actual = encode(last), encode(found)
+    differing = sorted(k for k in cached if cached[k] != actual.get(k))
+    if differing:
+        raise ReceiptDrift(
+            "receipt-fields",
+            f"receipt for {last.key} differs between checkpoint and commit in "
+            f"{', '.join(differing)}",
+        )
+
+
+def reconcile(rt: Runtime, *, apply: bool = True) -> str:
+    """Bring the runtime and the environment into agreement; return what was done.
+
+    With ``apply=False`` it only makes every check (and raises every refusal) without
+    writing anything: resume runs it before it takes the lease, so a refusal changes
+    nothing, not even the lease.
+    """
+    s = rt.state
+    env = rt.env
+    if not env.worktree.exists():
+        raise EnvironmentDrift("worktree-missing", f"the run's worktree {env.worktree} was deleted")
+    instance = env.instance_id()
+    if instance != s.env.instance_id:
+        raise EnvironmentDrift(
+            "other-instance",
+            f"worktree instance {instance} is not the checkpoint's {s.env.instance_id}",
+        )
+    _require_branch(rt)
+    env.check_head_on_branch()
+    tip = env.head()
+    checkpointed = pygit2.Oid(hex=s.env.head)
+    if tip.id != checkpointed and not env.repo.descendant_of(tip.id, checkpointed):
+        # Moved backwards or sideways: name that, not the receipts it made unreachable.
+        raise _classify_drift(env.repo, checkpointed, tip.id)
+    check_cached_receipt(rt, repair=apply)
+    skip = _own_leftovers(rt, apply=apply)
+    if str(tip.id) == s.env.head:
+        return _at_checkpointed_head(rt, tip, skip, apply=apply)
+    if s.pending is not None and _is_pending_write(rt, tip):
+        return _reconcile_write(rt, tip, skip, apply=apply)
+    raise _classify_drift(env.repo, pygit2.Oid(hex=s.env.head), tip.id)
+
+
+def _reconcile_write(rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool) -> str:
+    """Window 3: the branch moved by exactly the pending write; take its receipt in
+    (``conflict`` opens a review; ``apply=False`` only checks)."""
+    s, env = rt.state, rt.env
+    if s.pending is None:
+        raise ReceiptDrift("not-pending", "a write to reconcile needs a pending intent")
+    # Through the receipt index, not the tip alone: an index naming another commit
+    # (the real receipt, lost to a history rewrite) is drift, and a missing index
+    # (killed while writing it) is rebuilt, clearing its stale lock.
+    receipt = env.lookup(s.pending.key, since=s.env.head, repair=apply)
+    if receipt is None:
+        raise EnvironmentDrift("foreign-commit", f"{tip.id} is not a gitrun write")
+    if receipt.commit != str(tip.id):
+        raise ReceiptDrift(
+            "index-mismatch",
+            f"the receipt index for {s.pending.key} names {receipt.commit}, "
+            f"not the branch tip {tip.id}",
+        )
+    if receipt.intent_digest != s.pending.intent_digest:
+        if apply:
+            rt.conflict(receipt)
+        return "conflict"
+    if not apply:
+        env.repair_sync(check_only=True, skip=skip)
+        return "write-reconciled"
+    env.repair_sync(rt.lease.fence)
+    obs = env.observe(full=True)
+    if obs.dirty:
+        raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes: {list(obs.dirty[:5])}")
+    rt.accept(receipt, replayed=True)
+    return "write-reconciled"
+
+
+def _at_checkpointed_head(rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool) -> str:
+    """The branch is where the checkpoint left it: windows 1 and 2."""
+    s = rt.state
+    if s.pending is not None and s.pending.action.kind == EXEC:
+        return _exec_interrupted(rt, tip, apply=apply)
+    _require_exact(rt, s, skip)
+    if s.pending is None:
+        return "exact"
+    rt.env.check_writable(s.pending.action, tip.tree)  # a link in its way: refuse now
+    return "intent-without-write"
+
+
+def _exec_interrupted(rt: Runtime, tip: pygit2.Commit, *, apply: bool) -> str:
+    """A pending exec without a receipt: whatever the worktree holds beyond HEAD are the
+    command's unproven partial effects. Put the worktree back to the precondition tree
+    (the discarded paths named in the trace), then run once more under the same key —
+    or, with ``retry = "review"`` and a command that may have started, freeze for review."""
+    s = rt.state
+    p = s.pending
+    if p is None:
+        raise GitrunError("no pending exec")
+    if str(tip.tree_id) != s.env.tree:
+        raise EnvironmentDrift("tree-changed", f"HEAD tree {tip.tree_id} is not {s.env.tree}")
+    if not apply:
+        shell.scan(rt.env.repo, rt.env.worktree, tip.tree)  # readable, or refuse now
+        return "exec-interrupted"
+    discarded = exec_step.put_back(rt.env, tip.tree, rt.lease.fence)
+    shell_policy = rt.task.policy.exec
+    review = shell_policy is not None and shell_policy.retry == REVIEW
+    if review and (discarded or exec_step.may_have_started(rt.env, p.key)):
+        exec_step.open_interrupted_review(rt, discarded)
+        return "exec-interrupted, frozen for review"
+    if not discarded:
+        return "exec-interrupted, nothing to discard; running it again"
+    event = Event("exec_discarded", time.time(), {"key": p.key, "paths": discarded})
+    rt.commit(replace(s).with_events(event))
+    shown = ", ".join(discarded[:10]) + (" ..." if len(discarded) > 10 else "")
+    rt.say(f"exec {p.key} was interrupted: discarded its unproven effects on {shown}")
+    return "exec-interrupted, partial effects discarded; running it again under the same key"
+
+
+def _own_leftovers(rt: Runtime, *, apply: bool) -> list[str]:
+    """gitrun's temp files a kill left next to the paths of the pending or last write:
+    removed under the lease (``apply``), else only named so the check passes over them."""
+    s = rt.state
+    paths: set[str] = set(s.receipts.last.paths) if s.receipts.last is not None else set()
+    if s.pending is not None:
+        tree = rt.env.repo.get(s.pending.precondition.tree)
+        try:
+            if isinstance(tree, pygit2.Tree):
+                paths |= set(rt.env.plan_changes(s.pending.action, tree, write=False))
+        except GateRejected:
+            pass  # the action will be abandoned; it wrote nothing
+    if not paths:
+        return []
+    if apply:
+        rt.env.remove_leftovers(paths, rt.lease.fence)
+        return []
+    return rt.env.leftovers(paths)
+
+
+def _require_branch(rt: Runtime) -> None:
+    """The run's branch must exist; if not, say which commit the checkpoint names."""
+    env, head = rt.env, rt.state.env.head
+    if gitstore.read_ref(env.repo, env.branch) is None:
+        raise EnvironmentDrift(
+            "branch-missing",
+            f"{env.branch} does not exist; the checkpoint names {head}: restore it with "
+            f"`git -C {env.repo.workdir or env.repo.path} update-ref {env.branch} {head}` "
+            "and resume; nothing was changed",
+        )
+
+
+def _require_exact(rt: Runtime, s: RunState, skip: list[str]) -> None:
+    obs = rt.env.observe(full=True, skip=skip)
+    if obs.tree != s.env.tree:
+        raise EnvironmentDrift("tree-changed", f"HEAD tree {obs.tree} is not {s.env.tree}")
+    if obs.dirty:
+        raise EnvironmentDrift(
+            "uncommitted-edits",
+            f"same HEAD {obs.head[:12]} but different files: {', '.join(obs.dirty[:5])}; "
+            "commit nothing there, restore them (git checkout -- .) and resume",
+        )
+
+
+def _is_pending_write(rt: Runtime, tip: pygit2.Commit) -> bool:
+    """True when ``tip`` is exactly the one commit the pending intent produces."""
+    p = rt.state.pending
+    if p is None or len(tip.parents) != 1 or str(tip.parents[0].id) != rt.state.env.head:
+        return False
+    receipt = rt.env.receipt_of(tip)
+    if receipt is None or receipt.key != p.key:
+        return False
+    if receipt.intent_digest != p.intent_digest:
+        return True  # same key, another intent: a receipt conflict for review, not drift
+    if receipt.instance_id != p.precondition.instance_id or receipt.action != p.action.kind:
+        raise EnvironmentDrift(
+            "foreign-commit", f"{tip.id} carries the key but not the intent's trailers"
+        )
+    if p.action.kind == EXEC:  # its tree is known only from the commit: gate every path
+        exec_step.tip_is_pending_exec(rt.env, rt.gate, tip)
+        return True
+    parent_tree = tip.parents[0].tree
+    expected = trees.tree_with_changes(
+        rt.env.repo, parent_tree, rt.env.plan_changes(p.action, parent_tree)
+    )
+    if expected != tip.tree_id:
+        raise EnvironmentDrift(
+            "foreign-commit",
+            f"{tip.id} carries the intent but not the tree it deterministically makes",
+        )
+    return True
+
+
+def _classify_drift(
+    repo: pygit2.Repository, expected: pygit2.Oid, tip: pygit2.Oid
+) -> EnvironmentDrift:
+    if repo.descendant_of(expected, tip):
+        return EnvironmentDrift(
+            "head-moved-backwards", f"the branch went back from {expected} to {tip}"
+        )
+    if repo.descendant_of(tip, expected):
+        return EnvironmentDrift(
+            "extra-commits", f"the branch has commits after {expected} that no intent explains"
+        )
+    return EnvironmentDrift("foreign-history", f"the branch at {tip} does not contain {expected}")

@@ -1,0 +1,304 @@
+"""Run a task's test command in a worktree and judge FAIL_TO_PASS / PASS_TO_PASS.
+
+The verdict follows the SWE-bench harness: the run passes when every FAIL_TO_PASS and
+every PASS_TO_PASS test passes (an expected failure, ``xfail``, counts as passing, as it
+does there). Per-test outcomes come from a JUnit XML report (pytest's ``xunit1`` family),
+never from scraping the console.
+
+Tests are matched by the ``(classname, name)`` pair pytest derives from a node id, not
+by rebuilding ``file::name``: a test method inherited from a base class in another
+module carries the *base* module in ``file``, while ``classname`` always follows the
+node id.
+
+The runtime verifies a fresh materialisation of HEAD's tree (:func:`verify_tree`), never
+the worktree, so nothing git does not show can change the verdict. The child runs
+without a shell, under :mod:`gitrun.adapter.sandbox`'s supervisor (its whole process tree dies
+with gitrun) and, where the isolation setting gives one, inside bubblewrap; it gets no
+``GITRUN_*`` variable, its output goes to a file outside the tree it tests, and bytecode
+writing is disabled.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import pygit2
+
+from gitrun.adapter import sandbox
+from gitrun.adapter.materialise import materialise, scratch
+from gitrun.adapter.sandbox import (
+    UNCONFINED,
+    CommandCannotStart,
+    Confinement,
+    Layout,
+    SandboxFailed,
+)
+from gitrun.core.errors import BadInput
+from gitrun.core.junit import (
+    ERROR,
+    FAILED,
+    MISSING,
+    PASSED,
+    UnusableReport,
+    junit_key,
+    read_junit,
+)
+from gitrun.core.junit import SKIPPED as SKIPPED  # noqa: PLC0414 - re-export, like its siblings
+from gitrun.core.verifier_spec import VerifierResult as VerifierResult  # noqa: PLC0414 - re-export
+from gitrun.core.verifier_spec import VerifierSpec as VerifierSpec  # noqa: PLC0414 - re-export
+from gitrun.core.verifier_spec import positive_number
+
+_SCRUBBED_PREFIX = "GITRUN_"  # no variable of gitrun's (home, key file, fault injection)
+_POLL_SECONDS = 0.05
+_TAIL_LINES = 40
+_TAIL_BYTES = 16 * 1024
+_LISTED_IDS = 3
+
+
+@dataclass(frozen=True)
+class _Run:
+    exit_code: int | None
+    timed_out: bool
+    duration_seconds: float
+    started: bool = True
+    cannot_start: str = ""  # why the command could not be executed
+
+
+class _Ticker:
+    """Calls heartbeat and progress every ``interval`` seconds of elapsed time."""
+
+    def __init__(
+        self,
+        heartbeat: Callable[[], None] | None,
+        progress: Callable[[str], None] | None,
+        interval: float,
+    ) -> None:
+        self._heartbeat = heartbeat
+        self._progress = progress
+        self._interval = interval
+        self._next_at = interval
+
+    def tick_if_due(self, elapsed: float) -> None:
+        if elapsed < self._next_at:
+            return
+        self._next_at = elapsed + self._interval
+        if self._heartbeat is not None:
+            self._heartbeat()
+        if self._progress is not None:
+            self._progress(f"verifier: running {int(elapsed)}s")
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """What the code under test must not see: directories and files to hide."""
+
+    dirs: tuple[Path, ...] = ()
+    files: tuple[Path, ...] = ()
+
+
+def verify_tree(
+    spec: VerifierSpec,
+    repo: pygit2.Repository,
+    tree_id: pygit2.Oid,
+    *,
+    confinement: Confinement,
+    secrets: Secrets,
+    **hooks: Any,
+) -> tuple[VerifierResult, str]:
+    """Judge the tree ``tree_id`` in a fresh materialisation of it; also its oid as written.
+
+    The scratch directory lies outside every secret (the workspace, the common git dir),
+    holds only the tree, and is removed afterwards. ``hooks`` go to :func:`run_verifier`.
+    """
+    with scratch(secrets.dirs) as tmp:
+        tree_dir = tmp / "tree"
+        made = materialise(repo, tree_id, tree_dir)
+        result = run_verifier(spec, tree_dir, confinement=confinement, secrets=secrets, **hooks)
+    return result, made
+
+
+def run_verifier(
+    spec: VerifierSpec,
+    workdir: Path,
+    *,
+    heartbeat: Callable[[], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+    heartbeat_interval: float = 1.0,
+    confinement: Confinement = UNCONFINED,
+    secrets: Secrets | None = None,
+) -> VerifierResult:
+    """Run ``spec.command`` in ``workdir`` and judge the required tests.
+
+    ``heartbeat`` is called every ``heartbeat_interval`` seconds (the runtime renews its
+    lease there); if it raises, the child's process tree is killed and the error
+    propagates. A command that cannot start raises :class:`CommandCannotStart`; a
+    sandbox bubblewrap cannot build raises :class:`SandboxFailed`.
+    """
+    if not workdir.is_dir():
+        raise BadInput(f"verifier workdir {workdir} is not a directory")
+    if not positive_number(heartbeat_interval):
+        raise BadInput(f"heartbeat_interval must be positive, not {heartbeat_interval!r}")
+    ticker = _Ticker(heartbeat, progress, heartbeat_interval)
+    hide = secrets or Secrets()
+    workdir = workdir.resolve()
+    with tempfile.TemporaryDirectory(prefix="gitrun-verifier-", ignore_cleanup_errors=True) as tmp:
+        out = Path(tmp).resolve()
+        report = out / "junit.xml"
+        run, tail = _run_command(spec, workdir, out, ticker, confinement, hide)
+        _refuse_unstarted(spec, run, confinement, tail)
+        outcomes, summary = _verdict(spec, run, report)
+        if spec.junit and not report.exists() and tail.strip():
+            # e.g. "No module named pytest": the one line that tells the user what to do
+            summary += f" (the command said: {tail.strip().splitlines()[-1][:200]})"
+    return _result(spec, run, outcomes, summary, tail)
+
+
+def _run_command(
+    spec: VerifierSpec,
+    workdir: Path,
+    out: Path,
+    ticker: _Ticker,
+    confinement: Confinement,
+    hide: Secrets,
+) -> tuple[_Run, str]:
+    """Run the command under the supervisor, its report and log in ``out`` (outside the
+    tree it tests): how it ended and the tail of what it printed."""
+    if out.is_relative_to(workdir):
+        raise BadInput(f"temporary directory {out} lies inside the worktree {workdir}")
+    report = out / "junit.xml"
+    blank = out / "blank"
+    blank.touch(0o444)
+    layout = Layout.of([workdir, out], hide.dirs, hide.files, workdir, blank)
+    with (out / "output.log").open("w+b") as log:
+        child = sandbox.spawn(
+            _argv(spec, report), cwd=workdir, env=_child_env(confinement, hide.files),
+            log=log, confinement=confinement, layout=layout,
+        )  # fmt: skip
+        run = _supervise(child, spec.timeout_seconds, ticker)
+        return run, _tail(log)
+
+
+def _result(
+    spec: VerifierSpec, run: _Run, outcomes: dict[str, str], summary: str, tail: str
+) -> VerifierResult:
+    """The verdict: passed only in time, with every required test passing (and, for a
+    coarse verifier without a report, the command exiting 0)."""
+    passed = (
+        not run.timed_out
+        and (spec.junit or run.exit_code == 0)
+        and all(outcome == PASSED for outcome in outcomes.values())
+    )
+    return VerifierResult(
+        passed=passed,
+        outcomes=outcomes,
+        exit_code=run.exit_code,
+        timed_out=run.timed_out,
+        duration_seconds=run.duration_seconds,
+        summary=summary,
+        output_tail=tail,
+    )
+
+
+def _refuse_unstarted(spec: VerifierSpec, run: _Run, confinement: Confinement, tail: str) -> None:
+    if run.cannot_start:
+        raise CommandCannotStart(
+            f"verifier command {spec.command[0]!r} cannot start: {run.cannot_start}"
+        )
+    if not run.started and not run.timed_out:
+        said = tail.strip().splitlines()[-1][:200] if tail.strip() else "no output"
+        where = "bubblewrap could not set up the sandbox" if confinement.confined else "failed"
+        raise SandboxFailed(f"the verifier's supervisor {where}: {said}")
+
+
+def _argv(spec: VerifierSpec, report: Path) -> list[str]:
+    argv = [part.replace("{python}", sys.executable) for part in spec.command]
+    if spec.junit:
+        # no:cacheprovider keeps pytest from writing .pytest_cache into the worktree
+        argv += [f"--junitxml={report}", "-o", "junit_family=xunit1", "-p", "no:cacheprovider"]
+    return argv
+
+
+def _child_env(confinement: Confinement, secret_files: tuple[Path, ...]) -> dict[str, str]:
+    """The caller's environment without any ``GITRUN_*`` variable or one naming a secret."""
+    named = {str(f) for f in secret_files} | {str(f.resolve()) for f in secret_files}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(_SCRUBBED_PREFIX) and not any(n in value for n in named)
+    }
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if confinement.confined:
+        env["TMPDIR"] = "/tmp"  # noqa: S108 - the sandbox's own private tmpfs
+    return env
+
+
+def _supervise(child: sandbox.Supervised, timeout: float, ticker: _Ticker) -> _Run:
+    start = time.monotonic()
+    try:
+        timed_out = _wait(child, start, timeout, ticker)
+    finally:
+        child.stop()
+    duration = time.monotonic() - start
+    started, code, why = child.outcome()
+    return _Run(None if timed_out else code, timed_out, duration, started, why)
+
+
+def _wait(child: sandbox.Supervised, start: float, timeout: float, ticker: _Ticker) -> bool:
+    """Poll until the child exits (False) or the timeout passes (True)."""
+    while not child.exited():
+        elapsed = time.monotonic() - start
+        if elapsed >= timeout:
+            return True
+        ticker.tick_if_due(elapsed)
+        time.sleep(_POLL_SECONDS)
+    return False
+
+
+def _tail(log: IO[bytes]) -> str:
+    size = os.fstat(log.fileno()).st_size
+    log.seek(max(0, size - _TAIL_BYTES))
+    lines = log.read().decode("utf-8", "replace").splitlines()
+    return "\n".join(lines[-_TAIL_LINES:])
+
+
+def _verdict(spec: VerifierSpec, run: _Run, report: Path) -> tuple[dict[str, str], str]:
+    required = spec.required
+    if run.timed_out:
+        summary = f"timed out after {spec.timeout_seconds:g}s; required tests not judged"
+        return dict.fromkeys(required, ERROR), summary
+    if not spec.junit:
+        outcome = PASSED if run.exit_code == 0 else FAILED
+        summary = f"command exited {run.exit_code} (coarse verdict: no per-test report)"
+        return dict.fromkeys(required, outcome), summary
+    try:
+        cases = read_junit(report)
+    except UnusableReport as exc:
+        return dict.fromkeys(required, ERROR), f"verifier error: {exc}"
+    outcomes = {node: cases.get(junit_key(node), MISSING) for node in required}
+    return outcomes, _summary(spec, outcomes)
+
+
+def _summary(spec: VerifierSpec, outcomes: Mapping[str, str]) -> str:
+    still = [node for node in spec.fail_to_pass if outcomes[node] != PASSED]
+    regressed = [node for node in spec.pass_to_pass if outcomes[node] != PASSED]
+    if not still and not regressed:
+        return f"{len(outcomes)}/{len(outcomes)} required tests passed"
+    parts = []
+    if still:
+        parts.append("FAIL_TO_PASS still failing: " + _listing(still, outcomes))
+    if regressed:
+        parts.append("PASS_TO_PASS regressed: " + _listing(regressed, outcomes))
+    return "; ".join(parts)
+
+
+def _listing(nodes: list[str], outcomes: Mapping[str, str]) -> str:
+    shown = [n if outcomes[n] == FAILED else f"{n} ({outcomes[n]})" for n in nodes[:_LISTED_IDS]]
+    more = len(nodes) - _LISTED_IDS
+    return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "")

@@ -1,0 +1,3 @@
+"""The store: repositories, ref compare-and-swap, locks, atomic files, checkpoint log,
+lease, receipt log, witness, keys.
+"""

@@ -1,0 +1,178 @@
+"""Building git trees: deterministic base commits, and a new tree from a parent tree
+changing only the given paths (cost grows with path depth, not repository size)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+import pygit2
+from pygit2.enums import FileMode
+
+from gitrun.core.errors import GateRejected, TaskError
+
+BLOB = int(FileMode.BLOB)
+EXEC = int(FileMode.BLOB_EXECUTABLE)
+TREE = int(FileMode.TREE)
+LINK = int(FileMode.LINK)
+
+# A deterministic identity and date for sandbox base commits: same oid on every machine.
+BASE_SIGNATURE = ("gitrun sandbox", "sandbox@gitrun.invalid", 1_700_000_000, 0)
+
+Change = tuple[pygit2.Oid, int] | None  # new (blob, mode), or None to delete
+
+
+def entry(tree: pygit2.Tree, path: str) -> pygit2.Object | None:
+    """The object at ``path`` in ``tree``, or None."""
+    try:
+        obj: pygit2.Object = tree[path]
+    except KeyError:
+        return None
+    return obj
+
+
+def entry_mode(tree: pygit2.Tree, path: str) -> int | None:
+    parent, _, name = path.rpartition("/")
+    sub: pygit2.Tree | None = tree
+    if parent:
+        obj = entry(tree, parent)
+        sub = obj if isinstance(obj, pygit2.Tree) else None
+    if sub is None or name not in sub:
+        return None
+    mode: int = sub[name].filemode
+    return mode
+
+
+def entry_state(tree: pygit2.Tree, path: str) -> tuple[int, bytes] | None:
+    """(mode, bytes) of ``path`` in ``tree`` as :func:`gitrun.adapter.safefs.inspect` reports a
+    file on disk: blobs and links with their content, directories as (TREE, b"")."""
+    mode = entry_mode(tree, path)
+    if mode is None:
+        return None
+    obj = entry(tree, path)
+    data: bytes = obj.data if isinstance(obj, pygit2.Blob) else b""
+    return mode, data
+
+
+def blob_bytes(repo: pygit2.Repository, tree: pygit2.Tree, path: str) -> bytes | None:
+    obj = entry(tree, path)
+    if obj is None:
+        return None
+    if not isinstance(obj, pygit2.Blob):
+        raise GateRejected("path-is-directory", f"{path} is a directory in the tree, not a file")
+    data: bytes = obj.data
+    return data
+
+
+def tree_with_changes(
+    repo: pygit2.Repository, base: pygit2.Tree | None, changes: Mapping[str, Change]
+) -> pygit2.Oid:
+    """Write the tree that is ``base`` with ``changes`` applied; only touched dirs rebuilt."""
+    here: dict[str, Change] = {}
+    below: dict[str, dict[str, Change]] = {}
+    for path, change in changes.items():
+        head, sep, rest = path.partition("/")
+        if sep:
+            below.setdefault(head, {})[rest] = change
+        else:
+            here[head] = change
+    builder = repo.TreeBuilder(base) if base is not None else repo.TreeBuilder()
+    for name, change in here.items():
+        if change is None:
+            if builder.get(name) is not None:
+                builder.remove(name)
+        else:
+            builder.insert(name, change[0], change[1])
+    for name, sub_changes in below.items():
+        existing = builder.get(name)
+        sub_base = None
+        if existing is not None:
+            obj = repo[existing.id]
+            sub_base = obj if isinstance(obj, pygit2.Tree) else None
+        sub_oid = tree_with_changes(repo, sub_base, sub_changes)
+        sub_tree = repo[sub_oid]
+        if isinstance(sub_tree, pygit2.Tree) and len(sub_tree) == 0:
+            if existing is not None:
+                builder.remove(name)
+        else:
+            builder.insert(name, sub_oid, TREE)
+    oid: pygit2.Oid = builder.write()
+    return oid
+
+
+def changed_paths(old: pygit2.Tree, new: pygit2.Tree) -> set[str]:
+    """Every path a diff from ``old`` to ``new`` adds, removes or modifies."""
+    paths: set[str] = set()
+    for delta in old.diff_to_tree(new).deltas:
+        paths.add(delta.new_file.path)
+        paths.add(delta.old_file.path)
+    return paths
+
+
+def tree_from_dir(repo: pygit2.Repository, root: Path) -> pygit2.Oid:
+    """A tree of every regular file under ``root`` (sorted, exec bit kept, no symlinks)."""
+    changes: dict[str, Change] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in (".git", "__pycache__", ".pytest_cache")
+        )
+        for name in sorted(filenames):
+            full = Path(dirpath) / name
+            st = full.lstat()
+            if not stat.S_ISREG(st.st_mode):
+                raise TaskError(f"{full}: only regular files can be part of a base tree")
+            rel = full.relative_to(root).as_posix()
+            mode = EXEC if st.st_mode & stat.S_IXUSR else BLOB
+            changes[rel] = (repo.create_blob(full.read_bytes()), mode)
+    return tree_with_changes(repo, None, changes)
+
+
+def deterministic_commit(
+    repo: pygit2.Repository, tree: pygit2.Oid, message: str, parents: list[pygit2.Oid]
+) -> pygit2.Oid:
+    """A commit with a fixed author, committer and date: the same oid everywhere."""
+    name, email, when, offset = BASE_SIGNATURE
+    sig = pygit2.Signature(name, email, when, offset)
+    text = message if message.endswith("\n") else message + "\n"
+    oid: pygit2.Oid = repo.create_commit(None, sig, sig, text, tree, parents)
+    return oid
+
+
+def _git_hash(kind: bytes, body: bytes) -> bytes:
+    return hashlib.sha1(kind + b" " + str(len(body)).encode() + b"\0" + body).digest()  # noqa: S324 - git's object id
+
+
+def _hash_tree(root: Path) -> bytes:
+    entries: list[tuple[bytes, bytes, bytes]] = []  # (sort key, mode, name) -> oid below
+    oids: dict[bytes, bytes] = {}
+    for child in root.iterdir():
+        if child.name in (".git", "__pycache__", ".pytest_cache"):
+            continue
+        st = child.lstat()
+        name = child.name.encode()
+        if stat.S_ISDIR(st.st_mode):
+            sub = _hash_tree(child)
+            if sub:
+                entries.append((name + b"/", b"40000", name))
+                oids[name] = _git_hash(b"tree", sub)
+        elif stat.S_ISREG(st.st_mode):
+            mode = b"100755" if st.st_mode & stat.S_IXUSR else b"100644"
+            entries.append((name, mode, name))
+            oids[name] = _git_hash(b"blob", child.read_bytes())
+        else:
+            raise TaskError(f"{child}: only regular files can be part of a base tree")
+    return b"".join(mode + b" " + name + b"\0" + oids[name] for _, mode, name in sorted(entries))
+
+
+def hash_base(root: Path, message: str) -> tuple[str, str]:
+    """(commit, tree) ids that :func:`deterministic_commit` of ``root`` would write,
+    computed without writing any object (so a refused resume changes nothing)."""
+    tree = _git_hash(b"tree", _hash_tree(root)).hex()
+    name, email, when, _ = BASE_SIGNATURE
+    ident = f"{name} <{email}> {when} +0000"
+    text = message if message.endswith("\n") else message + "\n"
+    body = f"tree {tree}\nauthor {ident}\ncommitter {ident}\n\n{text}".encode()
+    return _git_hash(b"commit", body).hex(), tree

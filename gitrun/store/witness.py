@@ -1,0 +1,297 @@
+"""The freshness witness: a second, MAC'd record of each run's high-water mark.
+
+A checkpoint's HMAC proves who wrote it, not that it is the newest: whoever can write
+refs (the agent, in any worktree of the repository) can move the checkpoint ref back to
+an older, validly signed generation. The witness lives outside the repository
+(``$GITRUN_HOME/witness/<run_id>``) and records (run, ref, generation, commit) under an
+HMAC of the checkpoint keyring, so a rolled-back ref no longer matches it.
+
+The file has two fixed-size slots, A and B; generation ``g`` lives in slot ``g % 2``. An
+advance moves the checkpoint ref first, then overwrites the older slot in place
+(``pwrite`` + ``fdatasync``: no rename, no directory fsync), so a crash at any point
+leaves the witness at ``g`` or ``g - 1`` and the other slot intact. Each slot carries a
+plain checksum (a torn write fails it) and the MAC (a forged slot passes the checksum
+and fails the MAC). One ``flock`` per run orders every writer and checker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from gitrun.core import faults
+from gitrun.core.errors import CheckpointRejected, GitrunError, RefLocked
+from gitrun.store import gitstore
+from gitrun.store.atomicfile import atomic_file
+from gitrun.store.keys import Keyring
+
+DOMAIN = b"gitrun-witness/1\n"
+VERSION = 1
+SLOT_SIZE = 1024
+TEAR_AT = 128  # where the crash point splits a slot write: inside every record
+LOCK_TIMEOUT_SECONDS = 30.0
+_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One witnessed high-water mark: ``ref`` held ``commit`` at ``generation``."""
+
+    run_id: str
+    ref: str
+    generation: int
+    commit: str
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the witness file holds: the best valid slot, and whether the other is torn."""
+
+    mark: Mark | None
+    other_valid: bool
+    torn: bool  # a slot fails its checksum: a write was cut short (or bytes were edited)
+
+
+def _signed(mark: Mark) -> bytes:
+    fields = (mark.run_id, mark.ref, str(mark.generation), mark.commit)
+    return DOMAIN + "\n".join(fields).encode()
+
+
+class Witness:
+    """The witness records of every run in one workspace directory."""
+
+    def __init__(self, directory: Path, keyring: Keyring) -> None:
+        self.directory = directory
+        self.keyring = keyring
+
+    def path(self, run_id: str) -> Path:
+        if not _RUN_RE.match(run_id):
+            raise GitrunError(f"run id {run_id!r} cannot name a witness file")
+        return self.directory / run_id
+
+    @contextlib.contextmanager
+    def locked(self, run_id: str) -> Iterator[None]:
+        """Hold the run's witness lock: checks and writes never interleave."""
+        path = self.path(run_id)
+        self._ensure_dir()
+        try:
+            with gitstore.flock(path.with_name(f".{run_id}.lock"), LOCK_TIMEOUT_SECONDS):
+                yield
+        except TimeoutError as exc:
+            raise RefLocked(
+                f"witness/{run_id}",
+                f"the witness of run {run_id} is locked by a live gitrun process for over "
+                f"{LOCK_TIMEOUT_SECONDS:.0f}s; try again when it finishes",
+            ) from exc
+
+    def _ensure_dir(self) -> None:
+        if not self.directory.is_dir():
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            gitstore.fsync_dir(self.directory.parent)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def read(self, run_id: str) -> Reading | None:
+        """The witness as stored, None when there is no file (caller holds the lock)."""
+        path = self.path(run_id)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointRejected(
+                "witness-corrupt", f"the witness {path} is unreadable: {exc.strerror}"
+            ) from exc
+        if len(raw) != 2 * SLOT_SIZE:
+            raise CheckpointRejected(
+                "witness-corrupt",
+                f"the witness {path} is {len(raw)} bytes, not {2 * SLOT_SIZE}; it was truncated "
+                "or replaced",
+            )
+        slots = [self._slot(raw[i * SLOT_SIZE : (i + 1) * SLOT_SIZE], i, run_id) for i in (0, 1)]
+        valid = [s for s in slots if isinstance(s, Mark)]
+        torn = any(s == "torn" for s in slots)
+        best = max(valid, key=lambda m: m.generation, default=None)
+        others = [m for m in valid if m is not best]
+        other_ok = bool(others) and best is not None and others[0].generation == best.generation - 1
+        return Reading(best, other_ok or (best is not None and _fresh(best, slots)), torn)
+
+    def _slot(self, data: bytes, index: int, run_id: str) -> Mark | str:
+        """A valid mark, "empty" (never written), or "torn" (fails its checksum)."""
+        if not data.strip(b"\0"):
+            return "empty"
+        body, sep, rest = data.rstrip(b"\0").partition(b"\n")
+        if not sep or rest != hashlib.sha256(body).hexdigest().encode() + b"\n":
+            return "torn"
+        try:
+            doc = json.loads(body)
+            mark = Mark(doc["run_id"], doc["ref"], int(doc["generation"]), doc["commit"])
+            key_id, mac, version = str(doc["key_id"]), str(doc["mac"]), doc["v"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _forged(self.path(run_id), f"slot {'AB'[index]} is not a witness") from exc
+        if version != VERSION or mark.run_id != run_id or mark.generation % 2 != index:
+            raise _forged(self.path(run_id), f"slot {'AB'[index]} is not this run's")
+        verdict = self.keyring.verify(key_id, _signed(mark), mac)
+        if verdict is None:
+            raise CheckpointRejected(
+                "witness-unknown-key",
+                f"the witness {self.path(run_id)} is signed with key {key_id!r}, not in the "
+                "keyring; use the keyring that signed this run's checkpoints",
+            )
+        if not verdict:
+            raise _forged(self.path(run_id), f"slot {'AB'[index]} does not verify")
+        return mark
+
+    def hint(self, run_id: str) -> str:
+        """What the witness says a missing checkpoint ref held (for a refusal), or ""."""
+        try:
+            reading = self.read(run_id)
+        except CheckpointRejected:
+            return ""
+        if reading is None or reading.mark is None:
+            return ""
+        mark = reading.mark
+        return (
+            f" (the witness records generation {mark.generation}: restore it with "
+            f"`git update-ref {mark.ref} {mark.commit}`)"
+        )
+
+    # -- writing -----------------------------------------------------------------------
+
+    def write(self, mark: Mark) -> None:
+        """Make ``mark`` durable (caller holds the lock). Generation 1 creates the file."""
+        slot = self._encode(mark)
+        path = self.path(mark.run_id)
+        if mark.generation == 1:
+            self._create(path, slot)
+            return
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            offset = (mark.generation % 2) * SLOT_SIZE
+            # Two writes, cut inside the record, so the crash matrix can tear a slot for
+            # real: a torn slot is a case the reader handles, never a hypothetical.
+            os.pwrite(fd, slot[:TEAR_AT], offset)
+            faults.point("checkpoint_witness_torn")
+            os.pwrite(fd, slot[TEAR_AT:], offset + TEAR_AT)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        faults.point("checkpoint_witness_written")
+
+    def _create(self, path: Path, slot: bytes) -> None:
+        """The first mark: made aside and renamed in, so the file is whole or absent."""
+        self.replace(path, (bytes(SLOT_SIZE), slot))
+
+    def reset(self, mark: Mark, parent: Mark | None) -> None:
+        """Anchor the witness at ``mark`` whatever it held (a human's recovery; caller
+        holds the lock). Its parent fills the other slot, as after a normal advance."""
+        slots = [bytes(SLOT_SIZE), bytes(SLOT_SIZE)]
+        slots[mark.generation % 2] = self._encode(mark)
+        if parent is not None:
+            slots[parent.generation % 2] = self._encode(parent)
+        self.replace(self.path(mark.run_id), (slots[0], slots[1]))
+
+    def replace(self, path: Path, slots: tuple[bytes, bytes]) -> None:
+        """Write the whole file through the one atomic path (aside, fsync, rename over,
+        fsync the directory): it is whole or absent, never torn (caller holds the lock)."""
+        self._ensure_dir()
+        data = slots[0] + slots[1]
+        with atomic_file(path, mode=0o600, writers_locked=True) as fh:  # we hold its lock
+            fh.write(data[: SLOT_SIZE + TEAR_AT])
+            faults.point("checkpoint_witness_torn")
+            fh.write(data[SLOT_SIZE + TEAR_AT :])
+        faults.point("checkpoint_witness_written")
+
+    def _encode(self, mark: Mark) -> bytes:
+        key_id, mac = self.keyring.sign(_signed(mark))
+        doc = {
+            "commit": mark.commit,
+            "generation": mark.generation,
+            "key_id": key_id,
+            "mac": mac,
+            "ref": mark.ref,
+            "run_id": mark.run_id,
+            "v": VERSION,
+        }
+        body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        slot = body + b"\n" + hashlib.sha256(body).hexdigest().encode() + b"\n"
+        if len(slot) > SLOT_SIZE:
+            raise GitrunError(f"witness record of {mark.ref} is longer than {SLOT_SIZE} bytes")
+        return slot.ljust(SLOT_SIZE, b"\0")
+
+
+def admit(path: Path, reading: Reading | None, here: Mark, parent: str | None) -> bool:
+    """May the checkpoint ``here`` (whose parent is ``parent``) be trusted as the newest?
+
+    True: yes, and the witness must be rolled forward to it (the crash window between
+    the ref move and the witness write). False: yes, the witness already says so.
+    Anything else raises :class:`CheckpointRejected` naming both generations.
+    """
+    resume = f"gitrun checkpoint rewitness {here.run_id} --generation {here.generation}"
+    if reading is None:
+        return _admit_unwitnessed(path, here, parent, resume)
+    mark = reading.mark
+    if mark is None:
+        raise CheckpointRejected(
+            "witness-corrupt", f"the witness {path} holds no valid record; restore it from a backup"
+        )
+    at = f"generation {here.generation} ({here.commit[:12]})"
+    witnessed = f"generation {mark.generation} ({mark.commit})"
+    if mark.ref == here.ref and here.generation < mark.generation:
+        raise CheckpointRejected(
+            "rolled-back",
+            f"{here.ref} is at {at} but the witness records {witnessed}: the ref was moved "
+            f"back; restore it with `git update-ref {here.ref} {mark.commit}`, or if you "
+            f"restored this repository from a backup on purpose, accept it with: {resume}",
+        )
+    if mark.ref == here.ref and here.generation == mark.generation and here.commit == mark.commit:
+        if reading.torn or not reading.other_valid:
+            raise CheckpointRejected(
+                "witness-corrupt",
+                f"the witness {path} agrees with {at} but its other slot is damaged, which no "
+                "crash leaves behind; restore it from a backup",
+            )
+        return False
+    if mark.ref == here.ref and here.generation == mark.generation + 1 and parent == mark.commit:
+        return True  # killed between the ref move and the witness write: roll forward
+    raise CheckpointRejected(
+        "witness-diverged",
+        f"{here.ref} is at {at} but the witness records {witnessed} on {mark.ref}, and the "
+        "one is not the other's successor; restore the ref with `git update-ref "
+        f"{mark.ref} {mark.commit}`, or accept the ref's checkpoint with: {resume}",
+    )
+
+
+def _admit_unwitnessed(path: Path, here: Mark, parent: str | None, resume: str) -> bool:
+    """No witness file: only a first checkpoint may be admitted (and witnessed now), since
+    a missing witness is never re-created silently for a later one."""
+    if here.generation == 1 and parent is None:
+        return True  # the first advance: killed after its ref move, before the witness
+    raise CheckpointRejected(
+        "witness-missing",
+        f"{here.ref} is at generation {here.generation} but the run's witness {path} is "
+        "missing (it is never re-created silently); restore it from a backup, or if "
+        f"generation {here.generation} is really the newest, run: {resume}",
+    )
+
+
+def _fresh(best: Mark, slots: list[Mark | str]) -> bool:
+    """A file that holds only generation 1, its other slot never written."""
+    return best.generation == 1 and slots[0] == "empty"
+
+
+def _forged(path: Path, what: str) -> CheckpointRejected:
+    return CheckpointRejected(
+        "witness-forged",
+        f"the witness {path}: {what} (its checksum holds, its MAC does not: edited by someone "
+        "without the key); nothing can be trusted, restore the workspace from a backup",
+    )
+
+
+__all__ = ["Mark", "Reading", "Witness", "admit"]
