@@ -52,7 +52,8 @@ def main(workspace: Path, run_id: str = "mini-rename") -> dict[str, Any]:
             extra = message["extra"]
             commit = extra.get("gitrun_commit", "")[:12] or "-"
             print(f"  returncode {extra['returncode']}  receipt {commit}")
-            print("  " + extra["raw_output"].strip().replace("\n", "\n  "))
+            if extra["raw_output"].strip():
+                print("  " + extra["raw_output"].strip().replace("\n", "\n  "))
         else:
             print(message["content"].strip())
     return result
