@@ -130,7 +130,12 @@ def bundle(tmp: Path) -> dict[str, str]:
     return {
         "instances.jsonl": instances,
         "specs.json": json.dumps(
-            {f"{OWNER}/{n}": {"test_cmd": TEST_CMD} for n in records}, indent=2, sort_keys=True
+            {
+                f"{OWNER}/{n}": {"test_cmd": TEST_CMD, "pip_requirements": ["pytest"]}
+                for n in records
+            },
+            indent=2,
+            sort_keys=True,
         )
         + "\n",
         "preds-empty.jsonl": preds("empty-model", dict.fromkeys(records, "")),

@@ -6,7 +6,9 @@ import json
 import random
 import shutil
 import signal
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,21 @@ SLUG = f"{OWNER}__slugify-unicode-1"
 IDS = sorted([MEDIAN, SLUG])
 
 
+@pytest.fixture(scope="module")
+def envs() -> Iterator[Path]:
+    """One environment cache for the module (each venv built once, as in real use), outside
+    /tmp: the verifier's sandbox replaces /tmp by an empty tmpfs."""
+    path = Path(tempfile.mkdtemp(prefix="gitrun-swebench-envs-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
-def world(tmp_path: Path) -> Path:
+def world(tmp_path: Path, envs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Repositories under tmp/repos (base commits as bundled) and the spec file beside them."""
     make_repos(tmp_path / "repos")
     shutil.copy(BUNDLE / "specs.json", tmp_path / "repos" / "gitrun-swebench.json")
+    monkeypatch.setenv("GITRUN_SWEBENCH_ENVS", str(envs))
     return tmp_path
 
 
@@ -220,3 +232,48 @@ def test_kill_9_at_random_moments_then_rerun_gives_the_same_report_each_instance
     assert report["error_ids"] == []
     for repo in ("fix-median", "slugify-unicode"):
         assert list(receipts(world, repo).values()) == [2]
+
+
+def test_tests_run_in_the_instances_own_venv_built_once_per_spec(
+    gitrun: Gitrun, world: Path, envs: Path
+) -> None:
+    specs = json.loads((BUNDLE / "specs.json").read_text())
+    probe = "python -c 'import sys; sys.exit(\"swebench-envs\" not in sys.prefix)' && "
+    for spec in specs.values():
+        spec["test_cmd"] = probe + spec["test_cmd"]
+    (world / "repos" / "gitrun-swebench.json").write_text(json.dumps(specs))
+    report = batch(gitrun, world, "gold")
+    assert report["resolved_ids"] == IDS  # only when the venv's python ran the tests
+    markers = sorted(envs.glob("*/gitrun-env.json"))
+    assert len(markers) == 2  # one per (repo, version); the same spec reuses its venv
+    batch(gitrun, world, "gold", run_id="r2")
+    assert sorted(envs.glob("*/gitrun-env.json")) == markers
+
+
+def test_two_batch_commands_on_one_run_id_share_the_work_and_write_once(
+    gitrun: Gitrun, world: Path
+) -> None:
+    args = (
+        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", "gold",
+        "--repos", str(world / "repos"), "--run-id", "two", "--report-dir", str(world / "out"),
+    )  # fmt: skip
+    procs = [gitrun.popen(*args) for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    report = json.loads((world / "out" / "gold.two.json").read_text())
+    assert report["resolved_ids"] == IDS
+    for repo in ("fix-median", "slugify-unicode"):
+        assert list(receipts(world, repo).values()) == [2]
+
+
+def test_an_environment_cache_under_tmp_is_refused_by_name(gitrun: Gitrun, world: Path) -> None:
+    res = gitrun(
+        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", "gold",
+        "--repos", str(world / "repos"), "--run-id", "t", "--report-dir", str(world / "out"),
+        "--json", GITRUN_SWEBENCH_ENVS=str(world / "envs"),
+    )  # fmt: skip
+    report = json.loads(res.out)
+    assert report["error_ids"] == IDS
+    why = world / "out" / "logs" / "run_evaluation" / "t" / "gold" / MEDIAN / "test_output.txt"
+    assert "lies under /tmp" in why.read_text()

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pygit2
 
-from gitrun.app import service, swebench_apply
+from gitrun.app import service, swebench_apply, swebench_env
 from gitrun.app.opening import Options
 from gitrun.app.workspace import Workspace
 from gitrun.core import swebench
@@ -70,7 +69,7 @@ def gitrun_run_id(ctx: Context, job: Job) -> tuple[str, dict[str, str]]:
         "instance": job.inst.record_digest,
         "prediction": digest(job.pred.patch or ""),
         "test_spec": digest({"test_cmd": job.spec.test_cmd, "test_patch": job.inst.test_patch}),
-        "environment": digest(job.spec.to_json() | {"env": job.inst.env_key}),
+        "environment": digest(swebench_env.env_spec(job.spec, job.inst.env_key)),
     }
     key = digest({"batch": ctx.run_id, "iid": job.inst.instance_id, "parts": parts})
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", job.inst.instance_id).strip(".-")[:40] or "i"
@@ -78,11 +77,14 @@ def gitrun_run_id(ctx: Context, job: Job) -> tuple[str, dict[str, str]]:
 
 
 def _verifier_command(spec: RepoSpec, env_bin: str) -> tuple[list[str], bool]:
-    """``bash -c TEST_CMD`` from the repo root with the environment's bin/ first on PATH;
+    """``bash -c TEST_CMD`` from the repo root with the environment's bin/ first on PATH
+    (and the run refused if that environment is not visible: never another interpreter);
     gitrun's JUnit options reach pytest as ``"$@"``."""
     junit = "pytest" in spec.test_cmd
-    script = f'export PATH={shlex.quote(env_bin)}:"$PATH"\n{spec.test_cmd}' + (
-        ' "$@"' if junit else ""
+    env = shlex.quote(env_bin)
+    script = (
+        f"[ -x {env}/python ] || {{ echo 'gitrun: test environment {env} not visible' >&2; "
+        f'exit 97; }}\nexport PATH={env}:"$PATH"\n{spec.test_cmd}' + (' "$@"' if junit else "")
     )
     return ["bash", "-c", script, "gitrun-swebench"], junit
 
@@ -174,7 +176,7 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
     )
     rid, parts = gitrun_run_id(ctx, job)
     opts = _options(ctx)
-    env_bin = str(Path(sys.executable).parent)
+    env_bin = str(swebench_env.ensure_env(job.spec, job.inst.env_key))
     files = {
         "task.toml": _task_toml(job, base, repo_dir.resolve(), env_bin).encode(),
         "plan.toml": _plan_toml(applied.stage, bool(test_diff)).encode(),
