@@ -216,22 +216,38 @@ def test_kill_9_at_random_moments_then_rerun_gives_the_same_report_each_instance
     gitrun: Gitrun, world: Path
 ) -> None:
     rng = random.Random(13)
+    records = [json.loads(x) for x in (BUNDLE / "instances.jsonl").read_text().splitlines()]
+    many = [r | {"instance_id": f"{r['instance_id']}-{n}"} for r in records for n in range(3)]
+    dataset = world / "six.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in many))
     args = (
-        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", "gold",
+        "swebench", "--dataset", str(dataset), "--predictions", "gold",
         "--repos", str(world / "repos"), "--run-id", "k", "--report-dir", str(world / "out"),
     )  # fmt: skip
-    for _ in range(4):
+    interrupted = 0
+    for _ in range(6):
         proc = gitrun.popen(*args)
-        time.sleep(rng.uniform(0.2, 2.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=30)
+        time.sleep(rng.uniform(0.1, 1.5))
+        if proc.poll() is None:
+            interrupted += 1
+            proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert interrupted >= 3  # the kills really cut batches short
     res = gitrun.run(args, timeout=120)
     assert res.code == 0, res.err
     report = json.loads((world / "out" / "gold.k.json").read_text())
-    assert report["resolved_ids"] == IDS
+    ids = sorted(r["instance_id"] for r in many)
+    assert report["resolved_ids"] == ids
     assert report["error_ids"] == []
+    before = {}
     for repo in ("fix-median", "slugify-unicode"):
-        assert list(receipts(world, repo).values()) == [2]
+        before[repo] = receipts(world, repo)
+        assert len(before[repo]) == 3  # one run per instance
+        assert set(before[repo].values()) == {2}  # each write exactly once
+    res2 = gitrun.run(args, timeout=120)  # and once more: the same report, nothing run
+    assert res2.code == 0
+    assert json.loads((world / "out" / "gold.k.json").read_text()) == report
+    assert {repo: receipts(world, repo) for repo in before} == before
 
 
 def test_tests_run_in_the_instances_own_venv_built_once_per_spec(

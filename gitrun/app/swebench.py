@@ -52,10 +52,12 @@ def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
     """The instances selected, a job for each predicted one, and the submitted ids."""
     instances = list(swebench.parse_instances(_read(req.dataset, "dataset"), str(req.dataset)))
     if req.instance_ids:
-        unknown = sorted(set(req.instance_ids) - {i.instance_id for i in instances})
+        # each value may hold several ids, space- or comma-separated (the harness's nargs)
+        wanted = {w for v in req.instance_ids for w in v.replace(",", " ").split()}
+        unknown = sorted(wanted - {i.instance_id for i in instances})
         if unknown:
             raise BadInput(f"--instance-ids: {unknown[0]} is not in {req.dataset}")
-        instances = [i for i in instances if i.instance_id in req.instance_ids]
+        instances = [i for i in instances if i.instance_id in wanted]
     data = None if req.predictions == swebench.GOLD else _read(Path(req.predictions), "predictions")
     preds = swebench.parse_predictions(data, instances)
     specs, jobs = _specs(req), []
