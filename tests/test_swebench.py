@@ -293,3 +293,18 @@ def test_an_environment_cache_under_tmp_is_refused_by_name(gitrun: Gitrun, world
     assert report["error_ids"] == IDS
     why = world / "out" / "logs" / "run_evaluation" / "t" / "gold" / MEDIAN / "test_output.txt"
     assert "lies under /tmp" in why.read_text()
+
+
+def test_a_bare_repository_is_run_in_a_shared_working_clone_and_left_unchanged(
+    gitrun: Gitrun, world: Path
+) -> None:
+    repos = world / "repos"
+    work = repos / f"{OWNER}__fix-median"
+    bare = repos / OWNER / "fix-median.git"
+    bare.parent.mkdir()
+    git(world, "clone", "-q", "--bare", str(work), str(bare))
+    shutil.rmtree(work)
+    refs = git(bare, "for-each-ref")
+    report = batch(gitrun, world, "gold", "--instance-ids", MEDIAN)
+    assert report["resolved_ids"] == [MEDIAN]
+    assert git(bare, "for-each-ref") == refs  # the user's bare repository is not written

@@ -19,6 +19,7 @@ import pygit2
 
 from gitrun.app import service, swebench_apply, swebench_env
 from gitrun.app.opening import Options
+from gitrun.app.swebench_repos import find_repo
 from gitrun.app.workspace import Workspace
 from gitrun.core import swebench
 from gitrun.core.codec import digest
@@ -48,15 +49,6 @@ class Job:
     inst: Instance
     pred: Prediction
     spec: RepoSpec
-
-
-def find_repo(repos: Path, name: str) -> Path:
-    """``DIR/<owner>__<name>`` or ``DIR/<owner>/<name>`` (a working tree; nothing is fetched)."""
-    owner, repo = name.split("/")
-    for cand in (repos / f"{owner}__{repo}", repos / owner / repo):
-        if cand.is_dir():
-            return cand
-    raise BadInput(f"repository {name} not found as {repos}/{owner}__{repo} or {repos}/{name}")
 
 
 def log_dir(ctx: Context, model: str, iid: str) -> Path:
@@ -157,7 +149,8 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
     if infra and not inst.allow_test_infra:
         why = f"refused: the prediction changes test infrastructure ({', '.join(infra)})"
         return {"result": UNRESOLVED, "reason": why, "applied": False, "outcomes": None}
-    repo_dir = find_repo(Path(ctx.repos), inst.repo)
+    opts = _options(ctx)
+    repo_dir = find_repo(Path(ctx.repos), inst.repo, opts.workspace.root, inst.base_commit)
     repo = pygit2.Repository(str(repo_dir))
     try:
         base = str(repo.revparse_single(inst.base_commit).peel(pygit2.Commit).id)
@@ -175,7 +168,6 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
         repo, base, applied.tree, inst.test_patch.encode(), test_paths
     )
     rid, parts = gitrun_run_id(ctx, job)
-    opts = _options(ctx)
     env_bin = str(swebench_env.ensure_env(job.spec, job.inst.env_key))
     files = {
         "task.toml": _task_toml(job, base, repo_dir.resolve(), env_bin).encode(),
