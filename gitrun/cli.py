@@ -408,17 +408,15 @@ def swebench_cmd(
     predictions: Annotated[str, typer.Option("--predictions", help="JSON/JSONL, or gold.")],
     repos: Annotated[Path, typer.Option("--repos", help="DIR/owner__name or DIR/owner/name.")],
     run_id: Annotated[str, typer.Option("--run-id", help="The batch's run id (resumable).")],
-    max_workers: Annotated[int, typer.Option("--max-workers", min=1)] = 1,
-    instance_ids: Annotated[list[str] | None, typer.Option("--instance-ids")] = None,
+    workers: Annotated[int, typer.Option("--max-workers", min=1)] = 1,
+    ids: Annotated[list[str] | None, typer.Option("--instance-ids")] = None,
     report_dir: Annotated[Path, typer.Option("--report-dir")] = Path(),
     as_json: JsonOpt = False,
     workspace: WorkspaceOpt = None,
     key_file: KeyFileOpt = None,
 ) -> None:
     """Evaluate SWE-bench predictions, one gitrun run per instance."""
-    req = swebench.Request(
-        dataset, predictions, repos, run_id, max_workers, instance_ids, report_dir
-    )
+    req = swebench.Request(dataset, predictions, repos, run_id, workers, ids, report_dir)
     report = swebench.run_batch(req, workspace, key_file, None if as_json else _say)
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gitrun.app.swebench_progress import Display, Lines, display
 from gitrun.app.swebench_run import BUSY, Context, Job, evaluate
 from gitrun.core import swebench
 from gitrun.core.errors import BadInput
@@ -23,6 +24,7 @@ from gitrun.core.swebench import Instance, RepoSpec
 from gitrun.store.atomicfile import atomic_write
 
 SPEC_FILE = "gitrun-swebench.json"
+__all__ = ["SPEC_FILE", "Request", "display", "plan_jobs", "run_batch"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,11 @@ def _map(ctx: Context, jobs: Sequence[Job], workers: int) -> Iterator[dict[str, 
         yield from pool.imap_unordered(_work, [(ctx, j) for j in jobs])
 
 
+class _Silent(Lines):
+    def __init__(self) -> None:
+        super().__init__(lambda _: None)
+
+
 def run_batch(
     req: Request,
     workspace: Path | None = None,
@@ -116,20 +123,23 @@ def run_batch(
     say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Evaluate the batch; write ``<model>.<run_id>.json`` (atomically) and return it, with
-    ``report_file`` and a one-line summary (``line``) added."""
+    ``report_file`` and a one-line summary (``line``) added. Progress goes to ``say`` (or a
+    rich bar on a terminal); ``None`` is silent."""
     instances, jobs, submitted = plan_jobs(req)
     ctx = _context(req, workspace, key_file)
     results: dict[str, str] = {}
     counts = {"done": 0, "resolved": 0, "errors": 0}
-    for out in _rounds(ctx, jobs, req.max_workers):
-        results[out["instance_id"]] = out["result"]
-        counts["done"] += 1
-        counts["resolved"] += out["result"] == "resolved"
-        counts["errors"] += out["result"] == "error"
-        if say is not None:
-            why = f" - {out['reason']}" if out.get("reason") else ""
-            say(f"[{counts['done']}/{len(jobs)}] {out['instance_id']}: {out['result']} "
-                f"(resolved {counts['resolved']}, errors {counts['errors']}){why}")  # fmt: skip
+    show: Display = _Silent() if say is None else display(say)
+    show.start(len(jobs))
+    try:
+        for out in _rounds(ctx, jobs, req.max_workers):
+            results[out["instance_id"]] = out["result"]
+            counts["done"] += 1
+            counts["resolved"] += out["result"] == "resolved"
+            counts["errors"] += out["result"] == "error"
+            show.update(out, counts)
+    finally:
+        show.stop()
     report = swebench.run_report(instances, submitted, results)
     model = jobs[0].pred.model if jobs else "none"
     path = req.report_dir / f"{model.replace('/', '__')}.{req.run_id}.json"
