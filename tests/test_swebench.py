@@ -207,19 +207,32 @@ def test_a_changed_prediction_runs_only_that_instance_again(gitrun: Gitrun, worl
     assert len(receipts(world, "fix-median")) == 2  # the old run, and one new one
 
 
-def test_two_workers_give_the_same_report(gitrun: Gitrun, world: Path) -> None:
-    report = batch(gitrun, world, "gold", "--max-workers", "2")
-    assert report["resolved_ids"] == IDS
+def six(world: Path) -> tuple[Path, list[str]]:
+    """The bundled instances three times over (other ids): six runs in two repositories."""
+    records = [json.loads(x) for x in (BUNDLE / "instances.jsonl").read_text().splitlines()]
+    many = [r | {"instance_id": f"{r['instance_id']}-{n}"} for r in records for n in range(3)]
+    dataset = world / "six.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in many))
+    return dataset, sorted(r["instance_id"] for r in many)
+
+
+def test_two_workers_on_one_repository_give_the_same_report(gitrun: Gitrun, world: Path) -> None:
+    dataset, ids = six(world)
+    res = gitrun(
+        "swebench", "--dataset", str(dataset), "--predictions", "gold", "--max-workers", "2",
+        "--repos", str(world / "repos"), "--run-id", "w2", "--report-dir", str(world / "out"),
+    )  # fmt: skip
+    assert res.code == 0, res.err
+    report = json.loads((world / "out" / "gold.w2.json").read_text())
+    assert report["resolved_ids"] == ids
+    assert set(receipts(world, "fix-median").values()) == {2}
 
 
 def test_kill_9_at_random_moments_then_rerun_gives_the_same_report_each_instance_once(
     gitrun: Gitrun, world: Path
 ) -> None:
     rng = random.Random(13)
-    records = [json.loads(x) for x in (BUNDLE / "instances.jsonl").read_text().splitlines()]
-    many = [r | {"instance_id": f"{r['instance_id']}-{n}"} for r in records for n in range(3)]
-    dataset = world / "six.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in many))
+    dataset, ids = six(world)
     args = (
         "swebench", "--dataset", str(dataset), "--predictions", "gold",
         "--repos", str(world / "repos"), "--run-id", "k", "--report-dir", str(world / "out"),
@@ -236,7 +249,6 @@ def test_kill_9_at_random_moments_then_rerun_gives_the_same_report_each_instance
     res = gitrun.run(args, timeout=120)
     assert res.code == 0, res.err
     report = json.loads((world / "out" / "gold.k.json").read_text())
-    ids = sorted(r["instance_id"] for r in many)
     assert report["resolved_ids"] == ids
     assert report["error_ids"] == []
     before = {}
@@ -308,3 +320,29 @@ def test_a_bare_repository_is_run_in_a_shared_working_clone_and_left_unchanged(
     report = batch(gitrun, world, "gold", "--instance-ids", MEDIAN)
     assert report["resolved_ids"] == [MEDIAN]
     assert git(bare, "for-each-ref") == refs  # the user's bare repository is not written
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"--dataset": "missing.jsonl"}, "no such file"),
+        ({"--predictions": "bad.jsonl"}, "line 1 is not JSON"),
+        ({"--instance-ids": "nope"}, "nope is not in"),
+        ({"spec": "gone"}, "no test_cmd in the record"),
+    ],
+)
+def test_bad_inputs_are_one_line_and_exit_2_with_nothing_run(
+    gitrun: Gitrun, world: Path, change: dict[str, str], words: str
+) -> None:
+    (world / "bad.jsonl").write_text("{not json\n")
+    if change.pop("spec", None):
+        (world / "repos" / "gitrun-swebench.json").unlink()
+    opts = {"--dataset": str(BUNDLE / "instances.jsonl"), "--predictions": "gold"}
+    opts |= {k: str(world / v) if k != "--instance-ids" else v for k, v in change.items()}
+    argv = [x for kv in opts.items() for x in kv]
+    res = gitrun("swebench", *argv, "--repos", str(world / "repos"), "--run-id", "b")
+    assert res.code == 2
+    assert res.err.startswith("gitrun: ")
+    assert len(res.err.strip().splitlines()) == 1
+    assert words in res.err
+    assert receipts(world, "fix-median") == {}
