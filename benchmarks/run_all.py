@@ -25,6 +25,7 @@ SCRIPTS = {
     "lease": "bench_lease.py",
     "startup": "bench_startup.py",
     "session": "bench_session.py",
+    "swebench": "bench_swebench.py",
 }
 BLOCK = re.compile(r"<!-- bench:(\w+):begin -->\n(.*?)<!-- bench:\1:end -->", re.S)
 

@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from typer._click.exceptions import ClickException  # typer vendors click; not re-exported
 
-from gitrun.app import service
+from gitrun.app import service, swebench
 from gitrun.app.workspace import Workspace
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
@@ -400,6 +400,25 @@ def review_decide(
     signed = service.review_decide(run_id, _options(workspace, key_file), key, decision)
     typer.echo(f"decision {decision} signed by {signed.signer}: {signed.fingerprint()}")
     typer.echo(f"next: gitrun resume {run_id} --trust-roots TRUST_ROOTS.json")
+
+
+@app.command("swebench")
+def swebench_cmd(
+    dataset: Annotated[Path, typer.Option("--dataset", help="Instances: JSON or JSONL.")],
+    predictions: Annotated[str, typer.Option("--predictions", help="JSON/JSONL, or gold.")],
+    repos: Annotated[Path, typer.Option("--repos", help="DIR/owner__name or DIR/owner/name.")],
+    run_id: Annotated[str, typer.Option("--run-id", help="The batch's run id (resumable).")],
+    workers: Annotated[int, typer.Option("--max-workers", min=1)] = 1,
+    ids: Annotated[list[str] | None, typer.Option("--instance-ids")] = None,
+    report_dir: Annotated[Path, typer.Option("--report-dir")] = Path(),
+    as_json: JsonOpt = False,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+) -> None:
+    """Evaluate SWE-bench predictions, one gitrun run per instance."""
+    req = swebench.Request(dataset, predictions, repos, run_id, workers, ids, report_dir)
+    report = swebench.run_batch(req, workspace, key_file, None if as_json else _say)
+    typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ COMMANDS = (
     ("list", "List the runs this workspace knows."),
     ("checkpoints", "List the verified checkpoint chain, newest first."),
     ("approve", "Show the action waiting for approval and sign an approval bound to exactly it."),
+    ("swebench", "Evaluate SWE-bench predictions, one gitrun run per instance."),
     ("checkpoint", "Verify checkpoints."),
     ("debug", "Debugging aids."),
     ("keys", "Approver/reviewer keys and the checkpoint keyring."),

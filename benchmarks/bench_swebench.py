@@ -1,0 +1,116 @@
+"""``gitrun swebench`` throughput (1 and 2 workers) and per-instance overhead (issue #13).
+
+The dataset is the bundled one (tests/data/swebench) repeated: each sandbox instance
+copied under several instance ids, so N instances are N gitrun runs. The bare work is
+what an instance minimally needs: ``git worktree add`` at the base, ``git apply`` of the
+prediction and the test patch, and the same test command (same venv, same JUnit option).
+Environments are built before timing (a warm cache), for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from swebench_data import BUNDLE, TEST_CMD, make_repos  # noqa: E402
+
+
+def _dataset(tmp: Path, copies: int) -> Path:
+    out = []
+    for line in (BUNDLE / "instances.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        for n in range(copies):
+            out.append(json.dumps(rec | {"instance_id": f"{rec['instance_id']}-c{n}"}))
+    path = tmp / "instances.jsonl"
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def _gitrun(tmp: Path, dataset: Path, run_id: str, workers: int, env: dict[str, str]) -> float:
+    argv = [sys.executable, "-m", "gitrun", "swebench", "--dataset", str(dataset),
+            "--predictions", "gold", "--repos", str(tmp / "repos"), "--run-id", run_id,
+            "--max-workers", str(workers), "--report-dir", str(tmp / "out"), "--json",
+            "--workspace", str(tmp / f"ws-{run_id}")]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    took = time.perf_counter() - start
+    if done.returncode != 0 or json.loads(done.stdout)["resolved_instances"] == 0:
+        raise SystemExit(f"gitrun swebench failed: {done.stderr[-500:]}")
+    return took
+
+
+def _bare(tmp: Path, dataset: Path, env: dict[str, str], env_bin: dict[str, str]) -> list[float]:
+    times = []
+    for n, line in enumerate(dataset.read_text().splitlines()):
+        rec = json.loads(line)
+        repo = tmp / "repos" / rec["repo"].replace("/", "__")
+        wt = tmp / f"bare-{n}"
+        start = time.perf_counter()
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "-q", "--detach", str(wt),
+                        rec["base_commit"]], check=True, env=env)  # fmt: skip
+        for patch in (rec["patch"], rec["test_patch"]):
+            subprocess.run(["git", "-C", str(wt), "apply", "-"], input=patch.encode(),
+                           check=True, env=env)  # fmt: skip
+        script = f'export PATH={env_bin[rec["repo"]]}:"$PATH"\n{TEST_CMD} "$@"'
+        argv = ["bash", "-c", script, "x", f"--junitxml={tmp}/j{n}.xml", "-p", "no:cacheprovider"]
+        subprocess.run(argv, cwd=wt, env=env, capture_output=True, check=False)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="8 instances (default 12)")
+    args = ap.parse_args()
+    copies = 4 if args.quick else 6
+    tmp = Path(tempfile.mkdtemp(prefix="gitrun-bench-swe-"))
+    envs = Path(tempfile.mkdtemp(prefix="gitrun-bench-swe-envs-", dir="/var/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "GITRUN_"))}
+    env |= {"GITRUN_SWEBENCH_ENVS": str(envs), "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@x.invalid",
+            "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@x.invalid"}  # fmt: skip
+    try:
+        make_repos(tmp / "repos")
+        shutil.copy(BUNDLE / "specs.json", tmp / "repos" / "gitrun-swebench.json")
+        dataset = _dataset(tmp, copies)
+        count = 2 * copies
+        (tmp / "warm").mkdir()
+        _gitrun(tmp, _dataset(tmp / "warm", 1), "warm", 1, env)  # build the venvs
+        bins: dict[str, str] = {}
+        for marker in envs.glob("*/gitrun-env.json"):
+            spec = json.loads(marker.read_text())
+            bins[spec["env"].split("@")[0]] = str(marker.parent / "bin")
+        one = _gitrun(tmp, dataset, "w1", 1, env)
+        two = _gitrun(tmp, dataset, "w2", 2, env)
+        bare = _bare(tmp, dataset, env, bins)
+        med = statistics.median(bare)
+        print("<!-- bench:swebench:begin -->")
+        print(f"| gitrun swebench, {count} instances | wall s | instances/s |")
+        print("|---|---:|---:|")
+        print(f"| 1 worker | {one:.2f} | {count / one:.2f} |")
+        print(f"| 2 workers | {two:.2f} | {count / two:.2f} |")
+        print(f"\n2 workers / 1 worker throughput: **{one / two:.2f}x** (same run, 2 cores)\n")
+        print("| per instance | s |")
+        print("|---|---:|")
+        print(f"| gitrun, 1 worker (wall / N, incl. CLI start) | {one / count:.3f} |")
+        print(f"| bare: worktree + 2 x git apply + same test command (median) | {med:.3f} |")
+        print(f"| gitrun overhead per instance | {one / count - med:.3f} |")
+        print("<!-- bench:swebench:end -->")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(envs, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""``gitrun swebench``: a batch of SWE-bench instances, each one gitrun run, and the reports.
+
+Workers are processes started with ``spawn`` (never ``fork``: libgit2 holds locks and
+threads). An instance whose gitrun run another batch command holds is retried until that
+run ends, then reported from its final checkpoint: two commands on one run id share the
+work and never evaluate an instance twice.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gitrun.app.swebench_progress import Display, Lines, display
+from gitrun.app.swebench_run import BUSY, Context, Job, evaluate
+from gitrun.core import swebench
+from gitrun.core.errors import BadInput
+from gitrun.core.swebench import Instance, RepoSpec
+from gitrun.store.atomicfile import atomic_write
+
+SPEC_FILE = "gitrun-swebench.json"
+__all__ = ["SPEC_FILE", "Request", "display", "plan_jobs", "run_batch"]
+
+
+@dataclass(frozen=True)
+class Request:
+    dataset: Path
+    predictions: str  # a path, or "gold"
+    repos: Path
+    run_id: str
+    max_workers: int = 1
+    instance_ids: Sequence[str] | None = None
+    report_dir: Path = Path()
+    specs: Path | None = None  # default: REPOS/gitrun-swebench.json
+
+
+def _read(path: Path, what: str) -> bytes:
+    if not path.is_file():
+        raise BadInput(f"--{what} {path}: no such file")
+    return path.read_bytes()
+
+
+def _specs(req: Request) -> dict[str, RepoSpec]:
+    path = req.specs or req.repos / SPEC_FILE
+    return swebench.parse_specs(_read(path, "specs")) if path.is_file() else {}
+
+
+def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
+    """The instances selected, a job for each predicted one, and the submitted ids."""
+    instances = list(swebench.parse_instances(_read(req.dataset, "dataset"), str(req.dataset)))
+    if req.instance_ids:
+        # each value may hold several ids, space- or comma-separated (the harness's nargs)
+        wanted = {w for v in req.instance_ids for w in v.replace(",", " ").split()}
+        unknown = sorted(wanted - {i.instance_id for i in instances})
+        if unknown:
+            raise BadInput(f"--instance-ids: {unknown[0]} is not in {req.dataset}")
+        instances = [i for i in instances if i.instance_id in wanted]
+    data = None if req.predictions == swebench.GOLD else _read(Path(req.predictions), "predictions")
+    preds = swebench.parse_predictions(data, instances)
+    specs, jobs = _specs(req), []
+    for inst in instances:
+        pred = preds.get(inst.instance_id)
+        if pred is None:
+            continue
+        spec = inst.spec or specs.get(inst.env_key) or specs.get(inst.repo)
+        if spec is None:
+            raise BadInput(
+                f"instance {inst.instance_id}: no test_cmd in the record and no entry for "
+                f"{inst.repo} in {req.specs or req.repos / SPEC_FILE}"
+            )
+        jobs.append(Job(inst, pred, spec))
+    return instances, jobs, [j.inst.instance_id for j in jobs]
+
+
+def _context(req: Request, workspace: Path | None, key_file: Path | None) -> Context:
+    return Context(req.run_id, str(req.repos.resolve()), str(req.report_dir.resolve()),
+                   str(workspace.resolve()) if workspace else None,
+                   str(key_file.resolve()) if key_file else None)  # fmt: skip
+
+
+def _work(arg: tuple[Context, Job]) -> dict[str, Any]:
+    return evaluate(*arg)
+
+
+def _rounds(ctx: Context, jobs: Sequence[Job], workers: int) -> Iterator[dict[str, Any]]:
+    """Every job's result; a job another command holds is tried again after a pause."""
+    todo = list(jobs)
+    while todo:
+        busy: list[Job] = []
+        by_id = {j.inst.instance_id: j for j in todo}
+        for out in _map(ctx, todo, workers):
+            if out["result"] == BUSY:
+                busy.append(by_id[out["instance_id"]])
+            else:
+                yield out
+        if busy:
+            time.sleep(1.0)
+        todo = busy
+
+
+def _map(ctx: Context, jobs: Sequence[Job], workers: int) -> Iterator[dict[str, Any]]:
+    if workers <= 1 or len(jobs) <= 1:
+        yield from (evaluate(ctx, j) for j in jobs)
+        return
+    with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+        yield from pool.imap_unordered(_work, [(ctx, j) for j in jobs])
+
+
+class _Silent(Lines):
+    def __init__(self) -> None:
+        super().__init__(lambda _: None)
+
+
+def run_batch(
+    req: Request,
+    workspace: Path | None = None,
+    key_file: Path | None = None,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Evaluate the batch; write ``<model>.<run_id>.json`` (atomically) and return it, with
+    ``report_file`` and a one-line summary (``line``) added. Progress goes to ``say`` (or a
+    rich bar on a terminal); ``None`` is silent."""
+    instances, jobs, submitted = plan_jobs(req)
+    ctx = _context(req, workspace, key_file)
+    results: dict[str, str] = {}
+    counts = {"done": 0, "resolved": 0, "errors": 0}
+    show: Display = _Silent() if say is None else display(say)
+    show.start(len(jobs))
+    try:
+        for out in _rounds(ctx, jobs, req.max_workers):
+            results[out["instance_id"]] = out["result"]
+            counts["done"] += 1
+            counts["resolved"] += out["result"] == "resolved"
+            counts["errors"] += out["result"] == "error"
+            show.update(out, counts)
+    finally:
+        show.stop()
+    report = swebench.run_report(instances, submitted, results)
+    model = jobs[0].pred.model if jobs else "none"
+    path = req.report_dir / f"{model.replace('/', '__')}.{req.run_id}.json"
+    atomic_write(path, (json.dumps(report, indent=4) + "\n").encode(), parent_mode=0o755)
+    line = (
+        f"swebench {req.run_id}: {report['resolved_instances']}/{len(submitted)} resolved, "
+        f"{report['empty_patch_instances']} empty, {report['error_instances']} errors; "
+        f"report {path}"
+    )
+    return report | {"report_file": str(path), "line": line}

@@ -1,0 +1,113 @@
+"""The SWE-bench apply chain, on temporary indexes: what tree each write will build.
+
+Stage 1 is gitrun's own strict applier (:mod:`gitrun.core.patch`); stage 2 is
+``git apply --cached --recount`` on a temporary index (``GIT_INDEX_FILE`` in a temp dir),
+which repairs wrong hunk counts and nothing else. There is no ``--reject`` and no
+``patch --fuzz``: a patch neither stage takes is refused, never applied approximately.
+Nothing here changes the repository's refs, index or worktree; only objects are written.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pygit2
+
+from gitrun.core.errors import BadInput, GitrunError
+from gitrun.core.patch import apply_file_patch, parse_patch
+
+STRICT = "strict"
+RECOUNT = "recount"
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The tree a prediction builds on the base and the stage that built it."""
+
+    stage: str  # STRICT or RECOUNT
+    tree: str
+    diff: bytes  # the gitrun write: the raw patch (strict) or git's diff to its tree (recount)
+
+
+def _git(repo: Path, args: list[str], index: Path, stdin: bytes | None = None) -> bytes:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env |= {"GIT_INDEX_FILE": str(index), "GIT_DIR": str(repo)}
+    done = subprocess.run(
+        ["git", *args],
+        input=stdin,
+        env=env,
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise BadInput(done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:][0]
+                       if done.stderr.strip() else f"git {args[0]} failed")  # fmt: skip
+    return done.stdout
+
+
+def _apply_on(repo: Path, tree: str, patch: bytes, extra: list[str]) -> str:
+    """``tree`` with ``patch`` applied by ``git apply --cached`` on a throwaway index."""
+    with tempfile.TemporaryDirectory(prefix="gitrun-swe-index-") as tmp:
+        index = Path(tmp) / "index"
+        _git(repo, ["read-tree", tree], index)
+        _git(repo, ["apply", "--cached", *extra, "-"], index, patch)
+        return _git(repo, ["write-tree"], index).decode().strip()
+
+
+def strict_accepts(repo: pygit2.Repository, base: str, patch: bytes) -> bool:
+    """Whether gitrun's strict applier takes ``patch`` on ``base`` as it stands."""
+    tree = repo[base].peel(pygit2.Tree)
+    try:
+        for fp in parse_patch(patch):
+            old_path = fp.old_path
+            old = None
+            if old_path is not None and old_path in tree:
+                obj = tree[old_path]
+                old = repo[obj.id].peel(pygit2.Blob).data
+            apply_file_patch(old, fp)
+    except GitrunError:
+        return False
+    return True
+
+
+def apply_prediction(repo: pygit2.Repository, base: str, patch: bytes) -> Applied:
+    """The prediction's tree on ``base``: the strict stage, else the recount stage; refused
+    (BadInput naming git's reason) when neither applies it exactly."""
+    gitdir = Path(repo.path)
+    base_tree = str(repo[base].peel(pygit2.Tree).id)
+    if strict_accepts(repo, base, patch):
+        return Applied(STRICT, _apply_on(gitdir, base_tree, patch, []), patch)
+    tree = _apply_on(gitdir, base_tree, patch, ["--recount"])
+    return Applied(RECOUNT, tree, _diff(gitdir, base_tree, tree))
+
+
+def _diff(gitdir: Path, old: str, new: str) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="gitrun-swe-index-") as tmp:
+        return _git(gitdir, ["diff-tree", "-p", "--full-index", "--no-renames", old, new],
+                    Path(tmp) / "index")  # fmt: skip
+
+
+def with_test_patch(
+    repo: pygit2.Repository, base: str, tree: str, test_patch: bytes, paths: tuple[str, ...]
+) -> tuple[str, bytes]:
+    """``tree`` with the files ``test_patch`` names reset to ``base`` and ``test_patch``
+    applied, as the harness does; and git's diff from ``tree`` to it (the second write)."""
+    gitdir = Path(repo.path)
+    base_tree = repo[base].peel(pygit2.Tree)
+    with tempfile.TemporaryDirectory(prefix="gitrun-swe-index-") as tmp:
+        index = Path(tmp) / "index"
+        _git(gitdir, ["read-tree", tree], index)
+        for path in paths:
+            if path in base_tree:
+                entry = base_tree[path]
+                info = f"{entry.filemode:o} {entry.id}\t{path}\n".encode()
+                _git(gitdir, ["update-index", "--index-info"], index, info)
+            else:
+                _git(gitdir, ["update-index", "--force-remove", "--", path], index)
+        _git(gitdir, ["apply", "--cached", "-"], index, test_patch)
+        new = _git(gitdir, ["write-tree"], index).decode().strip()
+    return new, _diff(gitdir, tree, new)

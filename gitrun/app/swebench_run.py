@@ -1,0 +1,208 @@
+"""One SWE-bench instance as one gitrun run: two writes (prediction, test patch), the verifier.
+
+The run's id is derived from the batch run id, the instance id and the digests of the
+instance record, the prediction patch, the test spec and the environment spec, so running
+the batch again continues (or reports) exactly that run — gitrun's idempotent start — and
+a changed input gets a new run. The task is generated under the workspace.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pygit2
+
+from gitrun.app import service, swebench_apply, swebench_env
+from gitrun.app.opening import Options
+from gitrun.app.swebench_repos import find_repo
+from gitrun.app.workspace import Workspace
+from gitrun.core import swebench
+from gitrun.core.codec import digest
+from gitrun.core.errors import BadInput, Exit, GitrunError
+from gitrun.core.records import DONE, FAILED
+from gitrun.core.swebench import Instance, Prediction, RepoSpec
+from gitrun.store.atomicfile import atomic_write
+
+RESOLVED, UNRESOLVED, EMPTY, ERROR, BUSY = "resolved", "unresolved", "empty_patch", "error", "busy"
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every worker process needs (picklable: spawn, not fork)."""
+
+    run_id: str
+    repos: str
+    report_dir: str
+    workspace: str | None
+    key_file: str | None
+    lease_seconds: float = 30.0
+    takeover_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    inst: Instance
+    pred: Prediction
+    spec: RepoSpec
+
+
+def log_dir(ctx: Context, model: str, iid: str) -> Path:
+    return Path(ctx.report_dir, "logs", "run_evaluation", ctx.run_id, model.replace("/", "__"), iid)
+
+
+def gitrun_run_id(ctx: Context, job: Job) -> tuple[str, dict[str, str]]:
+    """The instance's run id and the input digests it is derived from."""
+    parts = {
+        "instance": job.inst.record_digest,
+        "prediction": digest(job.pred.patch or ""),
+        "test_spec": digest({"test_cmd": job.spec.test_cmd, "test_patch": job.inst.test_patch}),
+        "environment": digest(swebench_env.env_spec(job.spec, job.inst.env_key)),
+    }
+    key = digest({"batch": ctx.run_id, "iid": job.inst.instance_id, "parts": parts})
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", job.inst.instance_id).strip(".-")[:40] or "i"
+    return f"{slug}-{key.split(':')[-1][:16]}", parts
+
+
+def _verifier_command(spec: RepoSpec, env_bin: str) -> tuple[list[str], bool]:
+    """``bash -c TEST_CMD`` from the repo root with the environment's bin/ first on PATH
+    (and the run refused if that environment is not visible: never another interpreter);
+    gitrun's JUnit options reach pytest as ``"$@"``."""
+    junit = "pytest" in spec.test_cmd
+    env = shlex.quote(env_bin)
+    script = (
+        f"[ -x {env}/python ] || {{ echo 'gitrun: test environment {env} not visible' >&2; "
+        f'exit 97; }}\nexport PATH={env}:"$PATH"\n{spec.test_cmd}' + (' "$@"' if junit else "")
+    )
+    return ["bash", "-c", script, "gitrun-swebench"], junit
+
+
+def _task_toml(job: Job, base: str, repo: Path, env_bin: str) -> str:
+    command, junit = _verifier_command(job.spec, env_bin)
+    junit = junit and bool(job.inst.fail_to_pass or job.inst.pass_to_pass)
+    doc = {
+        "task": f'id = "swe-{digest(job.inst.instance_id).split(":")[-1][:12]}"\nversion = "1"\n'
+        f"title = {json.dumps('SWE-bench ' + job.inst.instance_id)}",
+        "initial": f"path = {json.dumps(str(repo))}\ncommit = {json.dumps(base)}",
+        "policy": 'id = "swebench"\nversion = "1"\nallowed_actions = ["apply_patch"]\n'
+        'write_allowlist = ["**"]',
+        "verifier": f"command = {json.dumps(command)}\njunit = {'true' if junit else 'false'}\n"
+        f"fail_to_pass = {json.dumps(list(job.inst.fail_to_pass))}\n"
+        f"pass_to_pass = {json.dumps(list(job.inst.pass_to_pass))}\ntimeout_seconds = 1800",
+        "budgets": "max_proposals = 4\nmax_steps = 4\nmax_wall_seconds = 3600",
+        "agent": 'plan = "plan.toml"',
+    }
+    return "schema = 1\n\n" + "\n\n".join(f"[{k}]\n{v}" for k, v in doc.items()) + "\n"
+
+
+def _plan_toml(stage: str, has_tests: bool) -> str:
+    steps = [
+        f'[[step]]\nkind = "apply_patch"\npatch_file = "prediction.diff"\n'
+        f'description = "swebench: the prediction (apply stage: {stage})"'
+    ]
+    if has_tests:
+        steps.append(
+            '[[step]]\nkind = "apply_patch"\npatch_file = "test.diff"\n'
+            'description = "swebench: test files reset to base, test_patch applied"'
+        )
+    return "schema = 1\n\n" + "\n\n".join(steps) + "\n"
+
+
+def _write_task(ws: Workspace, rid: str, files: dict[str, bytes]) -> Path:
+    task_dir = ws.root / "swebench" / rid
+    for name, data in files.items():
+        target = task_dir / name
+        if not target.is_file() or target.read_bytes() != data:
+            atomic_write(target, data, parent_mode=0o755)
+    return task_dir
+
+
+def _options(ctx: Context) -> Options:
+    ws = Workspace(Path(ctx.workspace) if ctx.workspace else None,
+                   Path(ctx.key_file) if ctx.key_file else None)  # fmt: skip
+    return Options(ws, lease_seconds=ctx.lease_seconds, takeover_after=ctx.takeover_after)
+
+
+def evaluate(ctx: Context, job: Job) -> dict[str, Any]:
+    """Evaluate one instance (or report it again); its report files are written atomically."""
+    inst, pred = job.inst, job.pred
+    if not pred.patch or not pred.patch.strip():
+        return {"instance_id": inst.instance_id, "result": EMPTY}
+    out: dict[str, Any] = {"instance_id": inst.instance_id}
+    try:
+        out |= _run(ctx, job)
+    except GitrunError as exc:
+        if exc.exit_code in (Exit.OWNED, Exit.CONFLICT, Exit.LEASE_LOST):
+            return {"instance_id": inst.instance_id, "result": BUSY, "reason": str(exc)}
+        out |= {"result": ERROR, "reason": str(exc), "applied": False, "outcomes": None}
+    _write_reports(ctx, job, out)
+    return out
+
+
+def _run(ctx: Context, job: Job) -> dict[str, Any]:
+    inst, patch = job.inst, (job.pred.patch or "")
+    infra = swebench.infra_paths(patch)
+    if infra and not inst.allow_test_infra:
+        why = f"refused: the prediction changes test infrastructure ({', '.join(infra)})"
+        return {"result": UNRESOLVED, "reason": why, "applied": False, "outcomes": None}
+    opts = _options(ctx)
+    repo_dir = find_repo(Path(ctx.repos), inst.repo, opts.workspace.root, inst.base_commit)
+    repo = pygit2.Repository(str(repo_dir))
+    try:
+        base = str(repo.revparse_single(inst.base_commit).peel(pygit2.Commit).id)
+    except (KeyError, ValueError) as exc:
+        raise BadInput(
+            f"{inst.instance_id}: base_commit {inst.base_commit} not in {repo_dir}"
+        ) from exc
+    try:
+        applied = swebench_apply.apply_prediction(repo, base, patch.encode())
+    except BadInput as exc:
+        return {"result": ERROR, "reason": f"patch did not apply: {exc}", "applied": False,
+                "outcomes": None, "stage": None}  # fmt: skip
+    test_paths = swebench.patch_paths(inst.test_patch)
+    final, test_diff = swebench_apply.with_test_patch(
+        repo, base, applied.tree, inst.test_patch.encode(), test_paths
+    )
+    rid, parts = gitrun_run_id(ctx, job)
+    env_bin = str(swebench_env.ensure_env(job.spec, job.inst.env_key))
+    files = {
+        "task.toml": _task_toml(job, base, repo_dir.resolve(), env_bin).encode(),
+        "plan.toml": _plan_toml(applied.stage, bool(test_diff)).encode(),
+        "prediction.diff": applied.diff,
+    } | ({"test.diff": test_diff} if test_diff else {})
+    task_dir = _write_task(opts.workspace, rid, files)
+    state = service.start(task_dir, opts, repo_path=repo_dir, agent_spec="plan", run_id=rid)
+    if state.phase not in (DONE, FAILED) or state.verifier is None:
+        raise GitrunError(f"run {rid} ended {state.phase} ({state.stop_reason}) without a verdict")
+    if state.verifier.tree != final:
+        raise GitrunError(f"run {rid} tested tree {state.verifier.tree}, not the expected {final}")
+    report = swebench.instance_report(inst, patch, True, state.verifier.outcomes)
+    resolved = bool(report[inst.instance_id]["resolved"])
+    return {"result": RESOLVED if resolved else UNRESOLVED, "applied": True, "stage": applied.stage,
+            "outcomes": state.verifier.outcomes, "gitrun_run_id": rid, "digests": parts,
+            "summary": state.verifier.summary, "isolation": state.verifier.isolation}  # fmt: skip
+
+
+def _write_reports(ctx: Context, job: Job, out: dict[str, Any]) -> None:
+    where = log_dir(ctx, job.pred.model, job.inst.instance_id)
+    report = swebench.instance_report(job.inst, job.pred.patch, out["applied"], out["outcomes"])
+    atomic_write(
+        where / "report.json", (json.dumps(report, indent=4) + "\n").encode(), parent_mode=0o755
+    )
+    lines = [
+        f"{k}: {out[k]}"
+        for k in ("result", "stage", "reason", "summary", "gitrun_run_id")
+        if out.get(k)
+    ]
+    lines += [f"{t} {o}" for t, o in sorted((out.get("outcomes") or {}).items())]
+    atomic_write(where / "test_output.txt", ("\n".join(lines) + "\n").encode(), parent_mode=0o755)
+    meta = {k: v for k, v in out.items() if k != "outcomes"}
+    atomic_write(
+        where / "gitrun.json",
+        (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
+        parent_mode=0o755,
+    )

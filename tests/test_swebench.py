@@ -1,0 +1,348 @@
+"""``gitrun swebench``: SWE-bench files in, SWE-bench reports out, each instance a gitrun run."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import Gitrun, git
+from swebench_data import BUNDLE, OWNER, bundle, make_repos
+
+MEDIAN = f"{OWNER}__fix-median-1"
+SLUG = f"{OWNER}__slugify-unicode-1"
+IDS = sorted([MEDIAN, SLUG])
+
+
+@pytest.fixture(scope="module")
+def envs() -> Iterator[Path]:
+    """One environment cache for the module (each venv built once, as in real use), outside
+    /tmp: the verifier's sandbox replaces /tmp by an empty tmpfs."""
+    path = Path(tempfile.mkdtemp(prefix="gitrun-swebench-envs-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def world(tmp_path: Path, envs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Repositories under tmp/repos (base commits as bundled) and the spec file beside them."""
+    make_repos(tmp_path / "repos")
+    shutil.copy(BUNDLE / "specs.json", tmp_path / "repos" / "gitrun-swebench.json")
+    monkeypatch.setenv("GITRUN_SWEBENCH_ENVS", str(envs))
+    return tmp_path
+
+
+def batch(gitrun: Gitrun, world: Path, preds: str, *extra: str, run_id: str = "r1") -> Any:
+    res = gitrun(
+        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", preds,
+        "--repos", str(world / "repos"), "--run-id", run_id,
+        "--report-dir", str(world / "out"), "--json", *extra,
+    )  # fmt: skip
+    assert res.code == 0, res.err
+    return json.loads(res.out)
+
+
+def instance_report(world: Path, model: str, iid: str, run_id: str = "r1") -> Any:
+    path = world / "out" / "logs" / "run_evaluation" / run_id / model / iid / "report.json"
+    return json.loads(path.read_text())
+
+
+def receipts(world: Path, repo: str) -> dict[str, int]:
+    """Receipt commits on each gitrun branch of ``repo``."""
+    where = world / "repos" / f"{OWNER}__{repo}"
+    out = {}
+    for ref in git(where, "for-each-ref", "--format=%(refname)", "refs/heads/gitrun").split():
+        out[ref] = len(git(where, "rev-list", f"main..{ref}").split())
+    return out
+
+
+def preds_file(world: Path, name: str, patches: dict[str, str], model: str = "m") -> str:
+    path = world / f"{name}.jsonl"
+    path.write_text("".join(
+        json.dumps({"instance_id": i, "model_name_or_path": model, "model_patch": p}) + "\n"
+        for i, p in patches.items()
+    ))  # fmt: skip
+    return str(path)
+
+
+def test_the_bundled_dataset_is_what_the_builder_makes_with_the_same_base_commits(
+    tmp_path: Path,
+) -> None:
+    for name, text in bundle(tmp_path / "b").items():
+        assert (BUNDLE / name).read_text() == text, name
+
+
+def test_gold_resolves_every_instance_in_swebench_report_shapes(
+    gitrun: Gitrun, world: Path
+) -> None:
+    report = batch(gitrun, world, "gold")
+    on_disk = json.loads((world / "out" / "gold.r1.json").read_text())
+    assert on_disk == {k: v for k, v in report.items() if k not in ("report_file", "line")}
+    assert on_disk["schema_version"] == 2
+    assert (on_disk["total_instances"], on_disk["resolved_instances"]) == (2, 2)
+    assert on_disk["resolved_ids"] == on_disk["completed_ids"] == IDS
+    assert on_disk["error_ids"] == on_disk["empty_patch_ids"] == []
+    one = instance_report(world, "gold", MEDIAN)
+    body = one[MEDIAN]
+    assert set(body) == {
+        "patch_is_None", "patch_exists", "patch_successfully_applied", "resolved", "tests_status"
+    }  # fmt: skip
+    assert body["resolved"]
+    assert body["patch_successfully_applied"]
+    assert body["patch_exists"]
+    f2p = body["tests_status"]["FAIL_TO_PASS"]
+    assert f2p["failure"] == []
+    assert "tests/test_median.py::test_even_length_four" in f2p["success"]
+    out_dir = world / "out" / "logs" / "run_evaluation" / "r1" / "gold" / MEDIAN
+    assert "passed" in (out_dir / "test_output.txt").read_text()
+    assert json.loads((out_dir / "gitrun.json").read_text())["stage"] == "strict"
+    # each instance: one gitrun run with exactly two receipts (prediction, test patch)
+    assert list(receipts(world, "fix-median").values()) == [2]
+
+
+def test_empty_predictions_are_empty_patch_and_never_run(gitrun: Gitrun, world: Path) -> None:
+    report = batch(gitrun, world, str(BUNDLE / "preds-empty.jsonl"))
+    assert report["empty_patch_ids"] == IDS
+    assert report["completed_instances"] == 0
+    assert receipts(world, "fix-median") == {}
+
+
+def test_wrong_predictions_resolve_nothing(gitrun: Gitrun, world: Path) -> None:
+    report = batch(gitrun, world, str(BUNDLE / "preds-wrong.jsonl"))
+    assert report["unresolved_ids"] == IDS
+    assert report["resolved_instances"] == 0
+    body = instance_report(world, "wrong-model", MEDIAN)[MEDIAN]
+    assert body["patch_successfully_applied"]
+    assert not body["resolved"]
+    assert (
+        "tests/test_median.py::test_even_length" in body["tests_status"]["FAIL_TO_PASS"]["failure"]
+    )
+
+
+def _gold(iid: str) -> str:
+    for line in (BUNDLE / "instances.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["instance_id"] == iid:
+            return str(rec["patch"])
+    raise LookupError(iid)
+
+
+def test_wrong_hunk_counts_are_applied_by_the_recount_stage_and_recorded_so(
+    gitrun: Gitrun, world: Path
+) -> None:
+    damaged = _gold(MEDIAN).replace("@@ -18,4 +18,4 @@", "@@ -18,7 +18,9 @@")
+    assert damaged != _gold(MEDIAN)
+    report = batch(
+        gitrun, world, preds_file(world, "p", {MEDIAN: damaged}), "--instance-ids", MEDIAN
+    )
+    assert report["resolved_ids"] == [MEDIAN]
+    meta = world / "out" / "logs" / "run_evaluation" / "r1" / "m" / MEDIAN / "gitrun.json"
+    assert json.loads(meta.read_text())["stage"] == "recount"
+    log = git(world / "repos" / f"{OWNER}__fix-median", "log", "--format=%B", "--all")
+    assert "apply stage: recount" in log
+
+
+def test_a_patch_that_needs_fuzz_is_refused_and_never_applied(gitrun: Gitrun, world: Path) -> None:
+    fuzzy = _gold(MEDIAN).replace("     mid = n // 2\n", "     mid = len(data) // 2\n")
+    report = batch(gitrun, world, preds_file(world, "p", {MEDIAN: fuzzy}), "--instance-ids", MEDIAN)
+    assert report["error_ids"] == [MEDIAN]
+    assert report["resolved_instances"] == 0
+    body = instance_report(world, "m", MEDIAN)[MEDIAN]
+    assert body == {
+        "patch_is_None": False, "patch_exists": True,
+        "patch_successfully_applied": False, "resolved": False,
+    }  # fmt: skip
+    assert receipts(world, "fix-median") == {}  # no run, no write
+
+
+def test_a_prediction_adding_a_conftest_that_forces_passes_is_refused(
+    gitrun: Gitrun, world: Path
+) -> None:
+    cheat = (
+        "diff --git a/conftest.py b/conftest.py\nnew file mode 100644\n--- /dev/null\n"
+        "+++ b/conftest.py\n@@ -0,0 +1,6 @@\n+import pytest\n+\n+\n"
+        "+@pytest.hookimpl(hookwrapper=True)\n+def pytest_runtest_makereport(item, call):\n"
+        "+    (yield).get_result().outcome = 'passed'\n"
+    )
+    report = batch(gitrun, world, preds_file(world, "p", {MEDIAN: cheat}), "--instance-ids", MEDIAN)
+    assert report["resolved_instances"] == 0
+    assert report["unresolved_ids"] == [MEDIAN]
+    out_dir = world / "out" / "logs" / "run_evaluation" / "r1" / "m" / MEDIAN
+    assert "test infrastructure (conftest.py)" in (out_dir / "test_output.txt").read_text()
+
+
+def test_what_a_prediction_does_to_the_test_patch_files_does_not_count(
+    gitrun: Gitrun, world: Path
+) -> None:
+    """A prediction that rewrites the failing tests into passing ones: reset to base."""
+    repo = world / "repos" / f"{OWNER}__fix-median"
+    test = repo / "tests" / "test_median.py"
+    test.write_text(test.read_text().replace("== 2.5", "== 3").replace("== 15", "== 20"))
+    cheat = git(repo, "diff")
+    git(repo, "checkout", "--", ".")
+    report = batch(gitrun, world, preds_file(world, "p", {MEDIAN: cheat}), "--instance-ids", MEDIAN)
+    assert report["unresolved_ids"] == [MEDIAN]
+
+
+def test_a_changed_prediction_runs_only_that_instance_again(gitrun: Gitrun, world: Path) -> None:
+    wrong = {json.loads(x)["instance_id"]: json.loads(x)["model_patch"]
+             for x in (BUNDLE / "preds-wrong.jsonl").read_text().splitlines()}  # fmt: skip
+    first = batch(gitrun, world, preds_file(world, "a", wrong))
+    before = receipts(world, "fix-median") | receipts(world, "slugify-unicode")
+    again = batch(gitrun, world, preds_file(world, "a", wrong))
+    assert receipts(world, "fix-median") | receipts(world, "slugify-unicode") == before
+    assert again == first
+    changed = wrong | {MEDIAN: _gold(MEDIAN)}
+    third = batch(gitrun, world, preds_file(world, "b", changed))
+    assert third["resolved_ids"] == [MEDIAN]
+    assert third["unresolved_ids"] == [SLUG]
+    assert receipts(world, "slugify-unicode") == {k: v for k, v in before.items() if "slug" in k}
+    assert len(receipts(world, "fix-median")) == 2  # the old run, and one new one
+
+
+def six(world: Path) -> tuple[Path, list[str]]:
+    """The bundled instances three times over (other ids): six runs in two repositories."""
+    records = [json.loads(x) for x in (BUNDLE / "instances.jsonl").read_text().splitlines()]
+    many = [r | {"instance_id": f"{r['instance_id']}-{n}"} for r in records for n in range(3)]
+    dataset = world / "six.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in many))
+    return dataset, sorted(r["instance_id"] for r in many)
+
+
+def test_two_workers_on_one_repository_give_the_same_report(gitrun: Gitrun, world: Path) -> None:
+    dataset, ids = six(world)
+    res = gitrun(
+        "swebench", "--dataset", str(dataset), "--predictions", "gold", "--max-workers", "2",
+        "--repos", str(world / "repos"), "--run-id", "w2", "--report-dir", str(world / "out"),
+    )  # fmt: skip
+    assert res.code == 0, res.err
+    report = json.loads((world / "out" / "gold.w2.json").read_text())
+    assert report["resolved_ids"] == ids
+    assert set(receipts(world, "fix-median").values()) == {2}
+
+
+def test_kill_9_at_random_moments_then_rerun_gives_the_same_report_each_instance_once(
+    gitrun: Gitrun, world: Path
+) -> None:
+    rng = random.Random(13)
+    dataset, ids = six(world)
+    args = (
+        "swebench", "--dataset", str(dataset), "--predictions", "gold",
+        "--repos", str(world / "repos"), "--run-id", "k", "--report-dir", str(world / "out"),
+    )  # fmt: skip
+    interrupted = 0
+    for _ in range(6):
+        proc = gitrun.popen(*args)
+        time.sleep(rng.uniform(0.1, 1.5))
+        if proc.poll() is None:
+            interrupted += 1
+            proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert interrupted >= 3  # the kills really cut batches short
+    res = gitrun.run(args, timeout=120)
+    assert res.code == 0, res.err
+    report = json.loads((world / "out" / "gold.k.json").read_text())
+    assert report["resolved_ids"] == ids
+    assert report["error_ids"] == []
+    before = {}
+    for repo in ("fix-median", "slugify-unicode"):
+        before[repo] = receipts(world, repo)
+        assert len(before[repo]) == 3  # one run per instance
+        assert set(before[repo].values()) == {2}  # each write exactly once
+    res2 = gitrun.run(args, timeout=120)  # and once more: the same report, nothing run
+    assert res2.code == 0
+    assert json.loads((world / "out" / "gold.k.json").read_text()) == report
+    assert {repo: receipts(world, repo) for repo in before} == before
+
+
+def test_tests_run_in_the_instances_own_venv_built_once_per_spec(
+    gitrun: Gitrun, world: Path, envs: Path
+) -> None:
+    specs = json.loads((BUNDLE / "specs.json").read_text())
+    probe = "python -c 'import sys; sys.exit(\"swebench-envs\" not in sys.prefix)' && "
+    for spec in specs.values():
+        spec["test_cmd"] = probe + spec["test_cmd"]
+    (world / "repos" / "gitrun-swebench.json").write_text(json.dumps(specs))
+    report = batch(gitrun, world, "gold")
+    assert report["resolved_ids"] == IDS  # only when the venv's python ran the tests
+    markers = sorted(envs.glob("*/gitrun-env.json"))
+    assert len(markers) == 2  # one per (repo, version); the same spec reuses its venv
+    batch(gitrun, world, "gold", run_id="r2")
+    assert sorted(envs.glob("*/gitrun-env.json")) == markers
+
+
+def test_two_batch_commands_on_one_run_id_share_the_work_and_write_once(
+    gitrun: Gitrun, world: Path
+) -> None:
+    args = (
+        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", "gold",
+        "--repos", str(world / "repos"), "--run-id", "two", "--report-dir", str(world / "out"),
+    )  # fmt: skip
+    procs = [gitrun.popen(*args) for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    report = json.loads((world / "out" / "gold.two.json").read_text())
+    assert report["resolved_ids"] == IDS
+    for repo in ("fix-median", "slugify-unicode"):
+        assert list(receipts(world, repo).values()) == [2]
+
+
+def test_an_environment_cache_under_tmp_is_refused_by_name(gitrun: Gitrun, world: Path) -> None:
+    res = gitrun(
+        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", "gold",
+        "--repos", str(world / "repos"), "--run-id", "t", "--report-dir", str(world / "out"),
+        "--json", GITRUN_SWEBENCH_ENVS=str(world / "envs"),
+    )  # fmt: skip
+    report = json.loads(res.out)
+    assert report["error_ids"] == IDS
+    why = world / "out" / "logs" / "run_evaluation" / "t" / "gold" / MEDIAN / "test_output.txt"
+    assert "lies under /tmp" in why.read_text()
+
+
+def test_a_bare_repository_is_run_in_a_shared_working_clone_and_left_unchanged(
+    gitrun: Gitrun, world: Path
+) -> None:
+    repos = world / "repos"
+    work = repos / f"{OWNER}__fix-median"
+    bare = repos / OWNER / "fix-median.git"
+    bare.parent.mkdir()
+    git(world, "clone", "-q", "--bare", str(work), str(bare))
+    shutil.rmtree(work)
+    refs = git(bare, "for-each-ref")
+    report = batch(gitrun, world, "gold", "--instance-ids", MEDIAN)
+    assert report["resolved_ids"] == [MEDIAN]
+    assert git(bare, "for-each-ref") == refs  # the user's bare repository is not written
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"--dataset": "missing.jsonl"}, "no such file"),
+        ({"--predictions": "bad.jsonl"}, "line 1 is not JSON"),
+        ({"--instance-ids": "nope"}, "nope is not in"),
+        ({"spec": "gone"}, "no test_cmd in the record"),
+    ],
+)
+def test_bad_inputs_are_one_line_and_exit_2_with_nothing_run(
+    gitrun: Gitrun, world: Path, change: dict[str, str], words: str
+) -> None:
+    (world / "bad.jsonl").write_text("{not json\n")
+    if change.pop("spec", None):
+        (world / "repos" / "gitrun-swebench.json").unlink()
+    opts = {"--dataset": str(BUNDLE / "instances.jsonl"), "--predictions": "gold"}
+    opts |= {k: str(world / v) if k != "--instance-ids" else v for k, v in change.items()}
+    argv = [x for kv in opts.items() for x in kv]
+    res = gitrun("swebench", *argv, "--repos", str(world / "repos"), "--run-id", "b")
+    assert res.code == 2
+    assert res.err.startswith("gitrun: ")
+    assert len(res.err.strip().splitlines()) == 1
+    assert words in res.err
+    assert receipts(world, "fix-median") == {}
