@@ -9,6 +9,7 @@ needs (approvals, evidence signing, diffs) is imported inside those functions.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,6 +143,24 @@ def rewitness(run_id: str, opts: Options, generation: int) -> Stored:
     if ref is None:
         raise CheckpointRejected("high-water-mark-missing", f"run {run_id} has no checkpoint ref")
     return opened.store.rewitness(ref, generation)
+
+
+MAX_TTL_SECONDS = 366 * 86400
+
+
+def ttl_seconds(text: str) -> float:
+    """A ``--ttl`` duration in seconds: finite, positive, at most a year (bad input else)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value <= 0:
+        raise BadInput(f"--ttl {text!r} is not a duration like 90s, 30m, 1h or 2d")
+    if value > MAX_TTL_SECONDS:
+        raise BadInput(f"--ttl {text!r} is longer than 366d; approvals are meant to expire")
+    return value
 
 
 def approve(
