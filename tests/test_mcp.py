@@ -204,3 +204,23 @@ def test_sigkill_of_the_server_mid_session_then_the_client_goes_on(gitrun: Gitru
     run(after)
     assert status(gitrun, "m4")["phase"] == "done"
     assert keys_on_branch(gitrun, "m4") == ["mcp-step-0001", "mcp-step-0002"]
+
+
+def test_the_rewind_tool_restores_an_earlier_tree_as_a_new_step(gitrun: Gitrun) -> None:
+    async def go() -> None:
+        async with client(gitrun, TASK, "--run-id", "m5") as s:
+            one = body(await call(s, "write_file", path="stats/n.py", content="A = 1\n"))
+            body(await call(s, "write_file", path="stats/n.py", content="A = 2\n"))
+            back = body(await call(s, "rewind", to=one["commit"][:9]))
+            assert back["action"] == "rewind"
+            assert back["tree"] == one["tree"]
+            assert back["paths"] == ["stats/n.py"]
+            same = await call(s, "rewind", to=one["commit"])
+            assert same.is_error
+            assert "rewind-no-change" in text_of(same)
+            seen = body(await call(s, "observe"))
+            assert seen["budgets"]["used"]["steps"] == 3
+            assert [r["action"] for r in seen["receipts"]] == ["rewind", "write_file", "write_file"]
+
+    run(go)
+    assert len(keys_on_branch(gitrun, "m5")) == 3

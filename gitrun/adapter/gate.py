@@ -25,7 +25,7 @@ import pygit2
 from gitrun.core import exec_policy
 from gitrun.core.errors import GateRejected
 from gitrun.core.patch import apply_file_patch, changed_line_count, parse_patch, touched_paths
-from gitrun.core.records import EXEC, REWIND, Action, Budgets
+from gitrun.core.records import EXEC, REWIND, Action, Budgets, kind_allowed
 from gitrun.core.task import Policy, Task
 from gitrun.store import trees
 
@@ -149,8 +149,7 @@ class Gate:
     def check_action(self, action: Action, tree: pygit2.Tree, *, on_disk: bool = True) -> Action:
         """Every rule but the budgets: the one a pending action passes again when it
         executes (``on_disk=False``: the adapter then checks the disk, as drift)."""
-        allowed = self.policy.allowed_actions
-        if action.kind not in allowed and not (action.kind == REWIND and allowed):
+        if not kind_allowed(action.kind, self.policy.allowed_actions):
             raise GateRejected(
                 "action-not-allowed",
                 f"{action.kind} is not allowed by policy {self.policy.id}@{self.policy.version} "

@@ -56,7 +56,7 @@ def run_log(run_id: str, opts: Options) -> dict[str, Any]:
         for r in opened.env.receipts()
     ]
     state = stored.state
-    base = {"commit": state.env.base_commit, "generation": 0,
+    base = {"commit": state.env.base_commit, "generation": first_gen.get(state.env.base_commit),
             "verifier": verdicts.get(state.env.base_commit)}  # fmt: skip
     return {"run_id": run_id, "phase": state.phase, "generation": state.generation,
             "head": state.env.head, "base": base, "steps": steps}  # fmt: skip
@@ -64,9 +64,10 @@ def run_log(run_id: str, opts: Options) -> dict[str, Any]:
 
 def log_text(info: dict[str, Any]) -> str:
     """``gitrun log``: one line per step, oldest first, then the verdicts."""
+    base = info["base"]
     lines = [f"run {info['run_id']}: {info['phase']} at generation {info['generation']}",
              f"gen  {'commit':<12}  {'key':<36} {'action':<12} diffstat      paths",
-             f"{0:>3}  {info['base']['commit'][:12]}  {'(base)':<36}"]  # fmt: skip
+             f"{base['generation'] or '-':>3}  {base['commit'][:12]}  (base)"]  # fmt: skip
     for s in info["steps"]:
         d = s["diffstat"]
         stat = f"{d['files']}f +{d['insertions']} -{d['deletions']}"

@@ -23,6 +23,12 @@ EXEC = "exec"
 # action: it is allowed wherever some write is, and every path it changes meets the rules).
 REWIND = "rewind"
 
+
+def kind_allowed(kind: str, allowed: tuple[str, ...]) -> bool:
+    """Whether a policy allowing ``allowed`` allows ``kind`` (a rewind: when any write is)."""
+    return kind in allowed or (kind == REWIND and bool(allowed))
+
+
 # Phases of a run; a checkpoint names one explicitly.
 RUNNING = "running"
 AWAITING_APPROVAL = "awaiting_approval"

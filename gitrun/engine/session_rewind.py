@@ -54,8 +54,8 @@ def target_commit(rt: Runtime, to: str | int) -> pygit2.Commit:
 
 
 def _at_generation(rt: Runtime, generation: int) -> pygit2.Commit:
-    if generation < 0 or generation > rt.state.generation:
-        raise BadInput(f"rewind: generation {generation} is not in 0..{rt.state.generation}")
+    if generation < 1 or generation > rt.state.generation:
+        raise BadInput(f"rewind: generation {generation} is not in 1..{rt.state.generation}")
     for stored in rt.store.chain(rt.ref):
         if stored.state.generation == generation:
             commit = rt.env.repo.get(stored.state.env.head)
