@@ -11,6 +11,8 @@ loop's thread, so the lease renewal between them never races a step.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -96,8 +98,9 @@ def refusal_text(exc: GitrunError | RpcError, session: Session) -> tuple[str, di
     elif int(data["exit_code"]) == int(Exit.REFUSED):
         todo = "nothing was written; propose another action (observe shows the run)"
     else:
-        todo = "nothing was written; see the message"
-    return f"refused by rule {rule}: {err.message} ({todo})", data
+        todo = "nothing was written; read the message, observe shows the run"
+    detail = err.message.removeprefix(f"{rule}: ")
+    return f"refused by rule {rule}: {detail}. What to do: {todo}.", data
 
 
 class McpSession:
@@ -210,7 +213,11 @@ def serve(rt: Runtime, agent: SessionAgent) -> RunState:
     session = Session(rt, agent)
     session.begin()
     conn = McpSession(session)
-    anyio.run(conn.main)
+    try:
+        anyio.run(conn.main)
+    finally:  # the SDK gave fd 1 back: what gitrun prints now must not reach the client
+        sys.stdout.flush()
+        os.dup2(2, 1)
     if conn.fatal is not None:
         raise conn.fatal
     return session.end()
