@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,15 +127,23 @@ def test_rewind_to_head_unknown_or_ambiguous_targets_are_refused(gitrun: Gitrun)
     assert len(branch(gitrun, "rw3")) == 2
 
 
-def test_the_policy_can_require_approval_and_a_frozen_run_refuses_rewind(
-    gitrun: Gitrun, tmp_path: Path
-) -> None:
+def _task_with_rule(tmp_path: Path, rule: str) -> Path:
     task = tmp_path / "fix-median"
     shutil.copytree(TASK, task)
     toml = (task / "task.toml").read_text()
-    rule = '[[policy.risk]]\nname = "rewinds"\nactions = ["rewind"]\n\n[verifier]'
-    (task / "task.toml").write_text(toml.replace("[verifier]", rule, 1))
-    first, _ = two_writes(gitrun, "rw4", task)
+    risk = f'[[policy.risk]]\nname = "rewinds"\n{rule}\n\n[verifier]'
+    (task / "task.toml").write_text(toml.replace("[verifier]", risk, 1))
+    return task
+
+
+@pytest.mark.parametrize(
+    "rule",
+    ['actions = ["rewind"]', 'actions = ["rewind"]\npaths = ["stats/notes.py"]'],
+)
+def test_the_policy_can_require_approval_and_a_frozen_run_refuses_rewind(
+    gitrun: Gitrun, tmp_path: Path, rule: str
+) -> None:
+    first, _ = two_writes(gitrun, "rw4", _task_with_rule(tmp_path, rule))
     asked = gitrun("rewind", "rw4", "--to", first["commit"])
     assert asked.code == 3, asked.err  # waits for a human
     assert json.loads(gitrun("status", "rw4", "--json").out)["phase"] == "awaiting_approval"
@@ -143,6 +152,14 @@ def test_the_policy_can_require_approval_and_a_frozen_run_refuses_rewind(
     assert frozen.code == 3, frozen.err
     assert frozen.err.startswith("gitrun: ")
     assert len(branch(gitrun, "rw4")) == 2
+
+
+def test_a_risk_rule_on_other_paths_lets_a_rewind_through(gitrun: Gitrun, tmp_path: Path) -> None:
+    rule = 'actions = ["rewind"]\npaths = ["stats/median.py"]'
+    first, _ = two_writes(gitrun, "rw7", _task_with_rule(tmp_path, rule))
+    res = gitrun("rewind", "rw7", "--to", first["commit"])
+    assert res.code == 0, res.err
+    assert len(branch(gitrun, "rw7")) == 3
 
 
 def test_a_rewind_that_would_change_a_forbidden_path_is_refused(gitrun: Gitrun) -> None:
@@ -160,3 +177,27 @@ def test_a_rewind_that_would_change_a_forbidden_path_is_refused(gitrun: Gitrun) 
             gate.check_action(Action(REWIND, tree=str(target)), head.tree, on_disk=False)
         assert caught.value.rule == rule
         assert path in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "point", ["after_intent_checkpoint", "after_write_commit_object", "write_ref_moved",
+              "mid_file_sync", "after_file_sync"]
+)  # fmt: skip
+def test_a_rewind_killed_mid_step_is_finished_once_by_the_same_command(
+    gitrun: Gitrun, point: str
+) -> None:
+    first, _ = two_writes(gitrun, "rw6")
+    args = ("rewind", "rw6", "--to", first["commit"], "--key", "rw-back-0006")
+    crashed = gitrun(*args, GITRUN_CRASH_AT=point)
+    assert crashed.code == -signal.SIGKILL, crashed.err
+    again = gitrun(*args, "--takeover-after", "0")
+    assert again.code == 0, again.err
+    assert "rewind replayed" in again.out or "rewind committed" in again.out
+    commits = branch(gitrun, "rw6")
+    assert len(commits) == 3
+    assert commits[2][1] == first["tree"]
+    keys = [s["key"] for s in log_json(gitrun, "rw6")["steps"]]
+    assert keys == ["rw-step-0001", "rw-step-0002", "rw-back-0006"]
+    worktree = Path(json.loads(gitrun("status", "rw6", "--json").out)["worktree"])
+    assert (worktree / "stats" / "notes.py").read_text() == "A = 1\n"
+    assert git(worktree, "status", "--porcelain") == ""

@@ -321,6 +321,12 @@ class Gate:
         }
         self.check_exec_changes(shaped, tree, target)
 
+    def _rewound_paths(self, action: Action, tree: pygit2.Tree | None) -> tuple[str, ...]:
+        target = self.repo.get(action.tree) if action.kind == REWIND and action.tree else None
+        if tree is None or not isinstance(target, pygit2.Tree):
+            return ()
+        return tuple(trees.rewind_changes(tree, target))
+
     def check_exec_changes(
         self, changes: dict[str, tuple[int, pygit2.Oid | None] | None],
         old: pygit2.Tree, new: pygit2.Tree,
@@ -345,15 +351,16 @@ class Gate:
                     path, obj.data if isinstance(obj, pygit2.Blob) else b"", new, False
                 )
 
-    def risk(self, action: Action) -> str | None:
-        """The name of the first risk rule the action matches (it needs approval), or None."""
+    def risk(self, action: Action, tree: pygit2.Tree | None = None) -> str | None:
+        """The name of the first risk rule the action matches (it needs approval), or None.
+        ``tree`` (HEAD's) gives a rewind's paths: every path it would change."""
         patch = action.patch_bytes()
         paths = (
             touched_paths(parse_patch(patch))
             if action.kind == "apply_patch" and patch
             else (action.path,)
             if action.path
-            else ()
+            else self._rewound_paths(action, tree)
         )
         lines = changed_line_count(parse_patch(patch)) if patch else 0
         for rule in self.policy.risk:

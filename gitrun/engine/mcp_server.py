@@ -186,7 +186,11 @@ class McpSession:
         interval = max(0.2, rt.lease.duration / 4)
         while True:
             await anyio.sleep(interval)
-            rt.lease.maybe_renew(rt.state.generation)
+            try:
+                rt.lease.maybe_renew(rt.state.generation)
+            except GitrunError as exc:  # lost to another worker: stop serving, write nothing
+                self._stop(exc)
+                return
 
     async def main(self) -> None:
         state = self.session.rt.state
