@@ -24,6 +24,7 @@ SCRIPTS = {
     "resume": "bench_resume.py",
     "lease": "bench_lease.py",
     "startup": "bench_startup.py",
+    "session": "bench_session.py",
 }
 BLOCK = re.compile(r"<!-- bench:(\w+):begin -->\n(.*?)<!-- bench:\1:end -->", re.S)
 

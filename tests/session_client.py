@@ -42,7 +42,7 @@ def _is(value: Any, kind: str) -> bool:
 
 
 def problems(value: Any, schema: dict[str, Any], defs: dict[str, Any], at: str = "$") -> list[str]:
-    """Where ``value`` breaks ``schema`` (type, enum, const, pattern, minimum, required,
+    """Where ``value`` breaks ``schema`` (type, enum, const, pattern, maxLength, minimum, required,
     properties, additionalProperties, items, oneOf, $ref): empty when it holds."""
     if "$ref" in schema:
         return problems(value, defs[schema["$ref"]], defs, at)
@@ -61,6 +61,8 @@ def problems(value: Any, schema: dict[str, Any], defs: dict[str, Any], at: str =
             return [*out, f"{at}: {type(value).__name__} is not {kinds}"]
     if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
         out.append(f"{at}: {value!r} does not match {schema['pattern']}")
+    if isinstance(value, str) and len(value) > schema.get("maxLength", len(value)):
+        out.append(f"{at}: {len(value)} characters > maxLength {schema['maxLength']}")
     if _is(value, "number") and "minimum" in schema and value < schema["minimum"]:
         out.append(f"{at}: {value} < {schema['minimum']}")
     if isinstance(value, dict):

@@ -20,6 +20,9 @@ Knobs (environment variables, read at collection):
 
 * ``GITRUN_RANDOM_KILLS=N`` — how many random-kill runs the default test makes
   (default 50); the ``slow`` variant makes 500 (``pytest --run-slow -k soak``).
+* one random-kill run in three sleeps ``WIDEN_MS`` between a worktree temp file's write
+  and its rename (``GITRUN_DELAY_AT``), so that window — microseconds wide, hit about
+  once in a few hundred kills otherwise — is hit often; the summary line counts the hits.
 * ``GITRUN_RANDOM_SEED=S`` — the seed of the kill delays (default 4242), to replay a
   failing sequence.
 * ``GITRUN_CRASH_WORKERS=K`` — how many runs go at once (default 2-4 by CPU count).
@@ -59,6 +62,7 @@ RANDOM_KILLS = int(os.environ.get("GITRUN_RANDOM_KILLS", "50"))
 RANDOM_SEED = int(os.environ.get("GITRUN_RANDOM_SEED", "4242"))
 WORKERS = int(os.environ.get("GITRUN_CRASH_WORKERS", "0")) or max(2, min(4, os.cpu_count() or 2))
 KILLS_PER_RUN = 4  # then one last resume runs unkilled, so every run ends
+WIDEN_MS = 400  # one run in three sleeps this long between a temp file's write and rename
 RUN_ID = "crash"
 KEYRING = Path("keys/checkpoint.keyring")
 
@@ -454,6 +458,7 @@ class KillRun:
     kills_before_registration: int = 0  # nothing to resume: `gitrun run` again
     kills_in_resume: int = 0
     temp_file_hits: int = 0  # kills that left a `.NAME.gitrun-tmp-<hex>` for the next owner
+    widen_ms: int = 0  # GITRUN_DELAY_AT at temp_file_written: the window made this wide
     problems: list[str] = field(default_factory=list)
 
 
@@ -479,9 +484,13 @@ def kill_at_random(baseline: Baseline, run: KillRun) -> KillRun:
     """
     rng = random.Random(RANDOM_SEED * 100_003 + run.index)
     cli, rid = Cli.at(run.fresh) if run.fresh else baseline.cli, f"rand-{run.index}"
+    span = baseline.seconds
+    if run.widen_ms:  # the temp-file window, microseconds wide, made wide enough to hit
+        cli = Cli(cli.home, {**cli.env, faults.DELAY_VAR: f"temp_file_written:{run.widen_ms}"})
+        span += baseline.writes * run.widen_ms / 1000
     args = ["run", str(SANDBOXES / run.sandbox), "--run-id", rid, "-q"]
     for attempt in range(KILLS_PER_RUN + 1):
-        delay = rng.uniform(0.0, baseline.seconds) if attempt < KILLS_PER_RUN else None
+        delay = rng.uniform(0.0, span) if attempt < KILLS_PER_RUN else None
         was_killed, proc = _run_until(cli, args, delay)
         if not was_killed:
             if proc.returncode != baseline.code:
@@ -511,7 +520,10 @@ def random_kills(baselines: dict[str, Baseline], count: int, root: Path) -> None
     the others sharing one repository per sandbox (checked with fsck once all ended)."""
     runs = [
         KillRun(
-            i, SANDBOX_NAMES[i % len(SANDBOX_NAMES)], root / f"fresh-{i}" if i % 5 == 4 else None
+            i,
+            SANDBOX_NAMES[i % len(SANDBOX_NAMES)],
+            root / f"fresh-{i}" if i % 5 == 4 else None,
+            widen_ms=WIDEN_MS if i % 3 == 1 else 0,
         )
         for i in range(count)
     ]
@@ -537,6 +549,7 @@ def random_kills(baselines: dict[str, Baseline], count: int, root: Path) -> None
         f"{temp} between a temp file's write and its rename"
     )
     if count >= 20:
+        assert temp >= 1, "no kill landed in a (widened) temp-file window"
         assert in_run >= count // 5, "too few kills landed inside `gitrun run`"
         assert in_resume >= count // 10, "too few kills landed inside `gitrun resume`"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -97,15 +98,30 @@ def test_an_exec_step_commits_the_commands_whole_change_as_one_receipt(
     assert changed == [f"geometry/{n}.py" for n in ("__init__", "report", "shapes", "totals")]
     assert git(repo, "grep", "-l", "-e", "calc_area", tip, "--", "geometry", check=False) == ""
     output = trailer(gitrun, tip, "Gitrun-Output")
-    git(repo, "gc", "--prune=now", "-q")  # the output blob is kept by its ref
-    shown = git(repo, "show", output)
-    assert shown == "renamed\nwarn\n"
-    digest = "sha256:" + hashlib.sha256(shown.encode()).hexdigest()
-    assert trailer(gitrun, tip, "Gitrun-Output-Digest") == digest
+    git(repo, "gc", "--prune=now", "-q")  # the output tree is kept by its ref
+    assert git(repo, "show", f"{output}:stdout") == "renamed\n"
+    assert git(repo, "show", f"{output}:stderr") == "warn\n"
+    assert git(repo, "ls-tree", "--name-only", output).split() == ["stderr", "stdout"]
+    assert trailer(gitrun, tip, "Gitrun-Output-Digest") == documented_digest(repo, output)
     assert_clean_at(gitrun, tip)
     status = json.loads(gitrun("status", RUN, "--json").out)
     assert status["receipts"][0]["exit_code"] == 0
     assert status["receipts"][0]["output"] == output
+
+
+def documented_digest(repo: Path, output: str) -> str:
+    """``Gitrun-Output-Digest`` as the README says to recompute it from the output tree."""
+    h = hashlib.sha256()
+    for name in ("stdout", "stderr"):
+        data = git_bytes(repo, "cat-file", "blob", f"{output}:{name}")
+        h.update(f"{name} {len(data)}\n".encode() + data)
+    return "sha256:" + h.hexdigest()
+
+
+def git_bytes(repo: Path, *args: str, stdin: bytes = b"") -> bytes:
+    """The real git CLI, bytes in and out."""
+    argv = ["git", "-C", str(repo), *args]
+    return subprocess.run(argv, input=stdin, capture_output=True, check=True).stdout
 
 
 def test_a_command_that_changes_nothing_still_leaves_a_receipt_with_its_exit_code(
@@ -127,7 +143,7 @@ def test_a_command_that_changes_nothing_still_leaves_a_receipt_with_its_exit_cod
         )
     assert trailer(gitrun, first, "Gitrun-Exit-Code") == "0"
     assert trailer(gitrun, second, "Gitrun-Exit-Code") == "3"
-    assert git(repo, "show", trailer(gitrun, second, "Gitrun-Output")) == "no\n"
+    assert git(repo, "show", trailer(gitrun, second, "Gitrun-Output") + ":stdout") == "no\n"
     keys = [trailer(gitrun, c, "Gitrun-Idempotency-Key") for c in commits(gitrun)]
     assert len(set(keys)) == 3
 
@@ -167,8 +183,9 @@ def test_a_timeout_kills_the_whole_process_tree(
     assert time.monotonic() - started < 20
     (tip,) = commits(gitrun)
     assert trailer(gitrun, tip, "Gitrun-Exit-Code") == "timeout"
-    shown = git(gitrun.repo("rename-api"), "show", trailer(gitrun, tip, "Gitrun-Output"))
-    assert shown.startswith("started\n")
+    output = trailer(gitrun, tip, "Gitrun-Output")
+    assert git(gitrun.repo("rename-api"), "show", f"{output}:stdout") == "started\n"
+    shown = git(gitrun.repo("rename-api"), "show", f"{output}:stderr")
     assert "killed after the 0.5s timeout" in shown
     time.sleep(2.0)  # past the moment the grandchildren would have written
     assert not (worktree(gitrun) / "geometry" / "late.py").exists()
@@ -348,3 +365,48 @@ def test_an_exec_step_runs_in_its_cwd_inside_the_worktree_and_nowhere_else(
     assert "path-dotdot" in res.err  # the first step: refused before anything ran
     (tip,) = commits(gitrun)
     assert len(git(gitrun.repo("rename-api"), "diff", "--name-only", f"{tip}~1", tip).split()) == 4
+
+
+def test_a_long_stderr_is_cut_with_a_note_while_stdout_is_kept_whole(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path]
+) -> None:
+    command = "head -c 200000 /dev/zero | tr '\\0' e >&2; seq 1 5000"
+    task = task_with(sandbox_copy, [{"command": command}])
+    res = gitrun("run", str(task), "--run-id", RUN)
+    assert res.code == Exit.FAILED, res.err  # nothing renamed: the tests fail
+    (tip,) = commits(gitrun)
+    repo = gitrun.repo("rename-api")
+    output = trailer(gitrun, tip, "Gitrun-Output")
+    stdout = git(repo, "show", f"{output}:stdout")
+    assert stdout == "".join(f"{n}\n" for n in range(1, 5001))  # 23893 bytes: not cut
+    stderr = git(repo, "show", f"{output}:stderr")
+    note = "\n[gitrun: output truncated: 200000 bytes, first and last 32768 kept]\n"
+    assert stderr == "e" * 32768 + note + "e" * 32768
+    assert trailer(gitrun, tip, "Gitrun-Output-Digest") == documented_digest(repo, output)
+
+
+def test_resume_refuses_an_exec_commit_whose_output_was_swapped_for_another(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path]
+) -> None:
+    command = "sed -i 's/calc_area/circle_area/g' geometry/*.py; echo ok; echo fine >&2"
+    task = task_with(sandbox_copy, [{"command": command}])
+    res = gitrun("run", str(task), "--run-id", RUN, GITRUN_CRASH_AT="write_ref_moved")
+    assert res.code == -9, res.err
+    repo = gitrun.repo("rename-api")
+    (tip,) = commits(gitrun)
+    output = trailer(gitrun, tip, "Gitrun-Output")
+    # A hostile agent rewrites the commit: same trailers, the stderr of its output changed.
+    forged_err = git_bytes(repo, "hash-object", "-w", "--stdin", stdin=b"all good\n").strip()
+    stderr_blob = git(repo, "rev-parse", f"{output}:stderr").strip().encode()
+    listing = git_bytes(repo, "ls-tree", output).replace(stderr_blob, forged_err)
+    forged = git_bytes(repo, "mktree", stdin=listing).strip()
+    body = git_bytes(repo, "cat-file", "commit", tip).replace(output.encode(), forged)
+    made = git_bytes(repo, "hash-object", "-t", "commit", "-w", "--stdin", stdin=body)
+    git(repo, "update-ref", branch(gitrun), made.decode().strip(), tip)
+    before = git(repo, "for-each-ref")
+    resumed = gitrun("resume", RUN)
+    assert resumed.code == Exit.REFUSED, resumed.err
+    assert "names no output matching its digest" in resumed.err
+    assert git(repo, "for-each-ref") == before
+    git(repo, "update-ref", branch(gitrun), tip)  # the true commit back: resume accepts it
+    assert gitrun("resume", RUN).code == Exit.DONE

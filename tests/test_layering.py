@@ -1,7 +1,10 @@
 """The layering `ls gitrun/` shows holds in the code: each layer imports only the layers
 below it, and the pure core imports no pygit2 and no other I/O library.
 
-    core  <  store  <  adapter  <  engine  <  app  <  cli (gitrun/cli.py, gitrun/entry.py)
+    core < store < adapter < engine < app < integrations < cli (gitrun/cli.py, gitrun/entry.py)
+
+(integrations are the optional bridges to other agents, e.g. mini-swe-agent; only the
+CLI may import them.)
 
 Imports under ``if TYPE_CHECKING:`` are types only and are not counted; imports inside
 functions (lazy ones, for start-up speed) are.
@@ -15,7 +18,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gitrun"
-LAYERS = ("core", "store", "adapter", "engine", "app")
+LAYERS = ("core", "store", "adapter", "engine", "app", "integrations")
 IO_LIBRARIES = ("pygit2", "cryptography", "filelock", "typer", "rich", "click")
 
 

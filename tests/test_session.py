@@ -4,6 +4,7 @@ and SIGKILL of the agent and of gitrun at random points."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -234,13 +235,44 @@ def test_exec_over_the_session_commits_the_commands_change_as_one_receipt(
     assert done["exit_code"] == 0
     assert done["replayed"] is False
     assert len(done["paths"]) == 4
-    assert git(repo, "show", done["output_blob"]) == done["output"]
+    assert (done["stdout"], done["stderr"]) == ("", "")
+    assert git(repo, "show", done["output_blob"] + ":stdout") == done["stdout"]
     again = rpc.call("exec", command=sed, idempotency_key="rename-sed-0001")
     assert again == {**done, "replayed": True}
     assert rpc.call("search", pattern="calc_area", glob="geometry/**")["matches"] == []
     assert rpc.call("finish")["phase"] == "done"
     assert rpc.close() == 0
     assert branch_keys(repo, "s-exec") == ["rename-sed-0001"]
+
+
+def test_exec_over_the_session_returns_stdout_and_stderr_apart_each_bounded(
+    gitrun: Gitrun,
+) -> None:
+    rpc = Rpc(gitrun, str(SANDBOXES / "rename-api"), "--run-id", "s-stdio")
+    rpc.call("initialize")
+    repo = gitrun.repo("rename-api")
+    split = "sed -i 's/calc_area/circle_area/g' geometry/*.py; echo to-out; echo to-err >&2"
+    done = rpc.call("exec", command=split)
+    assert (done["stdout"], done["stderr"]) == ("to-out\n", "to-err\n")
+    assert (done["stdout_truncated"], done["stderr_truncated"]) == (False, False)
+    tree = done["output_blob"]
+    assert git(repo, "show", f"{tree}:stdout") == "to-out\n"
+    assert git(repo, "show", f"{tree}:stderr") == "to-err\n"
+    assert git(repo, "log", "-1", "--format=%(trailers:key=Gitrun-Output,valueonly)",
+               done["commit"]).strip() == tree  # fmt: skip
+    noisy = "sed -i 's/x/x/' geometry/shapes.py; seq 1 20000 >&2; seq 1 3"
+    cut = rpc.call("exec", command=noisy, idempotency_key="noisy-stderr-1")
+    assert cut["stdout"] == "1\n2\n3\n"
+    assert (cut["stdout_truncated"], cut["stderr_truncated"]) == (False, True)
+    assert cut["stderr"].startswith("1\n2\n3\n")
+    assert cut["stderr"].endswith("19999\n20000\n")
+    assert (
+        "\n[gitrun: output truncated: 108894 bytes, first and last 32768 kept]\n" in cut["stderr"]
+    )
+    assert git(repo, "show", cut["output_blob"] + ":stderr") == cut["stderr"]
+    again = rpc.call("exec", command=noisy, idempotency_key="noisy-stderr-1")
+    assert again == {**cut, "replayed": True}  # read back from the receipt's tree
+    assert rpc.close() == 8
 
 
 def test_a_risky_request_waits_for_approval_and_resume_serves_it_executed(
@@ -426,7 +458,8 @@ def test_sigkill_of_the_agent_or_of_gitrun_at_random_resumes_to_the_uninterrupte
         try:
             agent = _last_pid(pidfile, started)
             time.sleep(rng.uniform(0.05, 0.7))
-            os.kill(agent if victim == "agent" else proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended by itself
+                os.kill(agent if victim == "agent" else proc.pid, signal.SIGKILL)
             proc.communicate(timeout=60)
             codes.append(proc.returncode)
         finally:

@@ -5,12 +5,13 @@ command runs confined (:mod:`gitrun.adapter.shell`); then the whole change it ma
 gated path by path, and committed as ONE write commit with the usual trailers plus
 
     Gitrun-Exit-Code: <int, or "timeout">
-    Gitrun-Output: <blob oid of the bounded output>
-    Gitrun-Output-Digest: sha256:<hex of that output>
+    Gitrun-Output: <oid of the output tree: blobs "stdout" and "stderr", each bounded>
+    Gitrun-Output-Digest: sha256:<hex>, over b"stdout <len>\n" + stdout + b"stderr <len>\n" + stderr
 
-moved by the same fenced compare-and-swap as any write (the commit point). The output
-blob is kept reachable by ``refs/gitrun/runs/<run>/outputs/<key>``, written (fenced)
-before the commit point, so ``git show <oid>`` reads it and ``git gc`` keeps it; a crash
+(``<len>``: the blob's size in decimal bytes) moved by the same fenced compare-and-swap as
+any write (the commit point). The output tree is kept reachable by
+``refs/gitrun/runs/<run>/outputs/<key>``, written (fenced) before the commit point, so
+``git show <oid>:stdout`` reads it and ``git gc`` keeps it; a crash
 before the commit point leaves that ref pointing at an output nothing claims, replaced
 when the command runs again under the same key. A command that changes nothing still
 commits (same tree): its key is durable. A change the gate refuses puts the worktree back
@@ -96,15 +97,54 @@ def output_ref(run_id: str, key: str) -> str:
     return f"refs/gitrun/runs/{run_id}/outputs/{key}"
 
 
-def output_digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+def output_digest(stdout: bytes, stderr: bytes) -> str:
+    """The digest of an exec's two streams, each length-prefixed (see the module docstring)."""
+    h = hashlib.sha256()
+    for name, data in ((b"stdout", stdout), (b"stderr", stderr)):
+        h.update(b"%s %d\n" % (name, len(data)))
+        h.update(data)
+    return "sha256:" + h.hexdigest()
 
 
-def output_of(repo: pygit2.Repository, receipt: Receipt) -> bytes | None:
-    """The bounded output an exec receipt points at (None for other receipts)."""
+def output_tree(repo: pygit2.Repository, stdout: bytes, stderr: bytes) -> pygit2.Oid:
+    """Store the two streams as a tree of two blobs, ``stderr`` and ``stdout``."""
+    builder = repo.TreeBuilder()
+    for name, data in (("stderr", stderr), ("stdout", stdout)):
+        builder.insert(name, repo.create_blob(data), trees.BLOB)
+    return builder.write()
+
+
+def read_output(repo: pygit2.Repository, oid: str) -> tuple[bytes, bytes, str] | None:
+    """(stdout, stderr, digest) of the output object ``oid``; None when it is not one.
+
+    A tree holds exactly the blobs ``stdout`` and ``stderr``; a lone blob is the
+    interleaved output of receipts made before the streams were split (its digest the
+    sha256 of its bytes), read as stdout.
+    """
+    obj = repo.get(oid) if oid else None
+    if isinstance(obj, pygit2.Blob):
+        return obj.data, b"", "sha256:" + hashlib.sha256(obj.data).hexdigest()
+    if not isinstance(obj, pygit2.Tree):
+        return None
+    streams = {e.name or "": e for e in obj}
+    if sorted(streams) != ["stderr", "stdout"]:
+        return None
+    out, err = streams["stdout"], streams["stderr"]
+    if not (isinstance(out, pygit2.Blob) and isinstance(err, pygit2.Blob)):
+        return None
+    if out.filemode != trees.BLOB or err.filemode != trees.BLOB:
+        return None
+    return out.data, err.data, output_digest(out.data, err.data)
+
+
+def output_of(repo: pygit2.Repository, receipt: Receipt) -> tuple[bytes, bytes] | None:
+    """The bounded (stdout, stderr) an exec receipt points at (None for other receipts)."""
     if receipt.output is None:
         return None
-    return gitstore.read_blob(repo, pygit2.Oid(hex=receipt.output))
+    found = read_output(repo, receipt.output)
+    if found is None:
+        raise EnvironmentDrift("exec-output", f"{receipt.output} is not an exec output")
+    return found[0], found[1]
 
 
 def execute(
@@ -131,13 +171,13 @@ def execute(
     ran = _run_on_clean_tree(env, action, key, head, fence, ctx)
     changes = shell.scan(env.repo, env.worktree, head.tree, write=True)
     new_tree = _checked_tree(env, ctx.gate, head.tree, changes, fence)
-    blob = env.repo.create_blob(ran.output)
-    _keep_output(env, key, blob, fence)
+    output = output_tree(env.repo, ran.stdout, ran.stderr)
+    _keep_output(env, key, output, fence)
     code = TIMEOUT if ran.exit_code is None else str(ran.exit_code)
     extra = [
         f"Gitrun-Exit-Code: {code}",
-        f"Gitrun-Output: {blob}",
-        f"Gitrun-Output-Digest: {output_digest(ran.output)}",
+        f"Gitrun-Output: {output}",
+        f"Gitrun-Output-Digest: {output_digest(ran.stdout, ran.stderr)}",
     ]
     oid = env._commit(
         action, key, intent_digest, pre, fence, approval, head, new_tree, sorted(changes), extra
@@ -241,14 +281,14 @@ def put_back(env: Environment, tree: pygit2.Tree, fence: Fence) -> list[str]:
         return shell.restore(env.repo, env.worktree, tree)
 
 
-def _keep_output(env: Environment, key: str, blob: pygit2.Oid, fence: Fence) -> None:
-    """Point ``outputs/<key>`` at the output blob, fenced: reachable before the commit point."""
+def _keep_output(env: Environment, key: str, output: pygit2.Oid, fence: Fence) -> None:
+    """Point ``outputs/<key>`` at the output tree, fenced: reachable before the commit point."""
     ref = output_ref(env.run_id, key)
     current = gitstore.read_ref(env.repo, ref)
-    if current == blob:
+    if current == output:
         return
     gitstore.update_ref(
-        env.repo, ref, current, blob, guards=[fence_guard(env.repo, env.run_id, fence)],
+        env.repo, ref, current, output, guards=[fence_guard(env.repo, env.run_id, fence)],
         message=f"gitrun exec output {key}",
     )  # fmt: skip
 
@@ -269,9 +309,6 @@ def tip_is_pending_exec(env: Environment, gate: Gate, tip: pygit2.Commit) -> Non
         raise EnvironmentDrift(
             "foreign-commit", f"{tip.id} carries the exec's key but a change it refuses: {exc}"
         ) from exc
-    output = tip.message_trailers.get("Gitrun-Output", "")
-    blob = env.repo.get(output) if output else None
-    if not isinstance(blob, pygit2.Blob) or output_digest(blob.data) != tip.message_trailers.get(
-        "Gitrun-Output-Digest"
-    ):
+    found = read_output(env.repo, tip.message_trailers.get("Gitrun-Output", ""))
+    if found is None or found[2] != tip.message_trailers.get("Gitrun-Output-Digest"):
         raise EnvironmentDrift("foreign-commit", f"{tip.id} names no output matching its digest")

@@ -356,8 +356,14 @@ def spawn(
     log: IO[bytes],
     confinement: Confinement,
     layout: Layout | None,
+    err: IO[bytes] | None = None,
 ) -> Supervised:
-    """Start ``argv`` in ``cwd`` under the supervisor, in bwrap when ``confinement`` says."""
+    """Start ``argv`` in ``cwd`` under the supervisor, in bwrap when ``confinement`` says.
+
+    Its stdout goes to ``log``, its stderr to ``err`` — or into ``log`` too, interleaved,
+    without one (the verifier's single log). bwrap's and the supervisor's own complaints
+    land where the command's stderr does.
+    """
     alive_r, alive_w = os.pipe()
     status_r, status_w = os.pipe()
     inner = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), "--"]
@@ -368,8 +374,9 @@ def spawn(
         full = [confinement.bwrap, *layout.bwrap_args(confinement), "--", *full]
     try:
         proc = subprocess.Popen(
-            full, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True, pass_fds=(alive_r, status_w),
+            full, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT if err is None else err, env=env,
+            start_new_session=True, pass_fds=(alive_r, status_w),
         )  # fmt: skip
     except OSError as exc:
         for fd in (alive_w, status_r):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -35,11 +36,12 @@ from gitrun.core.errors import BadInput, EnvironmentDrift
 from gitrun.core.records import Action
 from gitrun.store import trees
 
-OUTPUT_LIMIT = 64 * 1024  # bytes of output kept (head and tail halves), truncation said
+OUTPUT_LIMIT = 64 * 1024  # bytes kept of stdout, and of stderr (head and tail), cut said
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _POLL_SECONDS = 0.02
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OTHER = safefs.OTHER  # a fifo, socket or device: never committed
+_CUT = re.compile(rb"\n\[gitrun: output truncated: [0-9]+ bytes, first and last [0-9]+ kept\]\n")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class Ran:
     """What the command did, apart from its files."""
 
     exit_code: int | None  # None: killed at the timeout
-    output: bytes  # stdout and stderr interleaved, bounded
+    stdout: bytes  # bounded (see :func:`_bounded`)
+    stderr: bytes  # bounded apart from stdout; gitrun's timeout note is appended here
     seconds: float
 
     @property
@@ -96,7 +99,8 @@ def run(
     heartbeat: Callable[[], None] | None = None,
     heartbeat_interval: float = 1.0,
 ) -> Ran:
-    """Run ``action``'s command in ``worktree``/``cwd``, killed after its timeout."""
+    """Run ``action``'s command in ``worktree``/``cwd``, killed after its timeout; its
+    stdout and stderr captured apart (two files), each bounded."""
     worktree = worktree.resolve()
     cwd = worktree / action.cwd if action.cwd else worktree
     timeout = action.timeout_seconds or 60.0
@@ -107,25 +111,28 @@ def run(
         blank = out / "blank"
         blank.touch(0o444)
         layout = Layout.of([worktree, home], hidden.dirs, hidden.files, cwd, blank)
-        with (out / "output.log").open("w+b") as log:
+        with (out / "stdout").open("w+b") as log, (out / "stderr").open("w+b") as err:
             env = child_env(action, home, confined=confinement.confined)
             child = sandbox.spawn(
-                argv_of(action), cwd=cwd, env=env, log=log, confinement=confinement, layout=layout
-            )
+                argv_of(action), cwd=cwd, env=env, log=log, err=err,
+                confinement=confinement, layout=layout,
+            )  # fmt: skip
             start = time.monotonic()
             try:
                 timed_out = _wait(child, start, timeout, heartbeat, heartbeat_interval)
             finally:
                 child.stop()
             seconds = time.monotonic() - start
-            output = _bounded(log, timed_out, timeout)
+            stdout, stderr = _bounded(log), _bounded(err)
+    if timed_out:
+        stderr += f"\n[gitrun: killed after the {timeout:g}s timeout]\n".encode()
     started, code, why = child.outcome()
     if why:
         raise BadInput(f"exec: {argv_of(action)[0]!r} cannot start: {why}")
     if not started and not timed_out:
-        said = output.decode("utf-8", "replace").strip().splitlines()
+        said = stderr.decode("utf-8", "replace").strip().splitlines()
         raise SandboxFailed(f"exec: the sandbox could not start: {said[-1] if said else '?'}")
-    return Ran(None if timed_out else code, output, seconds)
+    return Ran(None if timed_out else code, stdout, stderr, seconds)
 
 
 def _wait(
@@ -150,21 +157,24 @@ def _wait(
     return False
 
 
-def _bounded(log: IO[bytes], timed_out: bool, timeout: float) -> bytes:
-    """The output, its head and tail kept when it is longer than :data:`OUTPUT_LIMIT`."""
+def _bounded(log: IO[bytes]) -> bytes:
+    """One stream, its head and tail kept when it is longer than :data:`OUTPUT_LIMIT`, the
+    cut said by a note line between them (see :func:`truncated`)."""
     size = os.fstat(log.fileno()).st_size
     half = OUTPUT_LIMIT // 2
     log.seek(0)
     if size <= OUTPUT_LIMIT:
-        data: bytes = log.read()
-    else:
-        head = log.read(half)
-        log.seek(size - half)
-        note = f"\n[gitrun: output truncated: {size} bytes, first and last {half} kept]\n"
-        data = head + note.encode() + log.read()
-    if timed_out:
-        data += f"\n[gitrun: killed after the {timeout:g}s timeout]\n".encode()
-    return data
+        return log.read()
+    head = log.read(half)
+    log.seek(size - half)
+    note = f"\n[gitrun: output truncated: {size} bytes, first and last {half} kept]\n"
+    return head + note.encode() + log.read()
+
+
+def truncated(data: bytes) -> bool:
+    """Whether a bounded stream was cut: the note sits right after the kept head (a
+    command that merely prints the note elsewhere does not count)."""
+    return _CUT.match(data, OUTPUT_LIMIT // 2) is not None
 
 
 # -- what the command changed ----------------------------------------------------------

@@ -6,15 +6,21 @@ power cut or the OOM killer. ``gitrun debug crash-points`` lists the points.
 
 ``GITRUN_PAUSE_AT=<point>[:<nth>]`` (tests only) stops this process with SIGSTOP there
 instead, so a test can take its lease over and wake it with SIGCONT: a stale worker.
+
+``GITRUN_DELAY_AT=<point>:<milliseconds>`` (tests only) sleeps there every time: it
+widens a window that is microseconds wide (a temp file written, not yet renamed), so kills
+at random moments land in it often enough to count.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV_VAR = "GITRUN_CRASH_AT"
 PAUSE_VAR = "GITRUN_PAUSE_AT"
+DELAY_VAR = "GITRUN_DELAY_AT"
 
 # name -> the crash window it sits in (DESIGN.md §3), shown by `gitrun debug crash-points`.
 POINTS: dict[str, str] = {
@@ -69,3 +75,8 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if _hit(PAUSE_VAR, name):
         os.kill(os.getpid(), signal.SIGSTOP)
+    delay = os.environ.get(DELAY_VAR, "")
+    if delay:
+        where, _, millis = delay.partition(":")
+        if where == name and millis.isdigit():
+            time.sleep(int(millis) / 1000)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pygit2
 
-from gitrun.adapter import exec_step
+from gitrun.adapter import exec_step, shell
 from gitrun.adapter.gate import normalise_path
 from gitrun.adapter.sandbox import CommandCannotStart
 from gitrun.core.codec import encode
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 
 MAX_RECENT_RECEIPTS = 10
 MAX_OUTPUT_TAIL = 8000
-OUTPUT_CUT = b"[gitrun: output truncated"  # the note gitrun.adapter.shell puts into a cut output
 
 
 class Session:
@@ -343,11 +342,16 @@ class Session:
         """What an exec result adds to its receipt: the exit code and the kept output."""
         if receipt.action != EXEC:
             return {}
-        data = exec_step.output_of(self.rt.env.repo, receipt) or b""
+        stdout, stderr = exec_step.output_of(self.rt.env.repo, receipt) or (b"", b"")
+        cut = shell.truncated(stdout), shell.truncated(stderr)
         return {
             "exit_code": receipt.exit_code,
-            "output": data.decode("utf-8", "replace"),
-            "output_truncated": OUTPUT_CUT in data,
+            "stdout": stdout.decode("utf-8", "replace"),
+            "stderr": stderr.decode("utf-8", "replace"),
+            "stdout_truncated": cut[0],
+            "stderr_truncated": cut[1],
+            "output": (stdout + stderr).decode("utf-8", "replace"),  # gitrun/1's first form
+            "output_truncated": any(cut),
             "output_blob": receipt.output,
         }
 

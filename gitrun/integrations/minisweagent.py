@@ -1,0 +1,205 @@
+"""mini-swe-agent on a gitrun run: every command the agent runs is one gitrun ``exec`` step.
+
+:class:`GitrunEnvironment` implements mini-swe-agent's environment interface (v2:
+``execute(action, cwd="") -> {"output", "returncode", "exception_info"}``) over a
+``gitrun session`` subprocess (:mod:`gitrun.integrations.session_client`), so each
+command is gated by the task's exec policy, confined, and committed as one receipt on
+the run's branch under an idempotency key. A command the policy refuses comes back as
+an observation naming the rule (returncode: gitrun's exit code for it), so the agent
+can go on. The agent's submit (``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``, or any
+command whose output starts with that line) ends the run through gitrun's verifier
+(``finish``); the verdict is in the agent's exit message, ``extra["gitrun"]``.
+
+Install with ``pip install 'gitrun[minisweagent]'``.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minisweagent import __version__ as mini_version
+from minisweagent.exceptions import InterruptAgentFlow, Submitted
+
+from gitrun.integrations.session_client import (
+    SessionClient,
+    SessionEnded,
+    SessionOptions,
+    SessionRefused,
+)
+
+SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+# The submit command mini-swe-agent's prompts ask for; what follows it is not run.
+_SUBMIT_COMMAND = re.compile(rf"\s*echo\s+['\"]?{SUBMIT_MARKER}['\"]?(\s|;|&&|$)")
+_ENDED = ("done", "failed")
+
+
+class GitrunStopped(InterruptAgentFlow):
+    """The run stopped under the agent (frozen for a human, a budget, a lost session)."""
+
+
+@dataclass
+class GitrunEnvironmentConfig:
+    """What :class:`GitrunEnvironment` runs on; the gitrun options mirror the CLI's."""
+
+    task_dir: str
+    run_id: str = ""  # empty: a fresh id ("mini-" + 12 hex digits)
+    repo: str | None = None
+    workspace: str | None = None  # GITRUN_HOME (default: the user's data dir)
+    key_file: str | None = None
+    cwd: str = ""  # the commands' directory, relative to the worktree root
+    timeout: float | None = None  # seconds per command (default: the policy's maximum)
+    key_prefix: str = "mini"
+    lease_seconds: float = 30.0
+    max_restarts: int = 3
+    gitrun: list[str] = field(default_factory=list)  # the CLI argv (default: this Python's)
+
+
+class GitrunEnvironment:
+    """mini-swe-agent's ``Environment`` whose ``execute`` is a gitrun ``exec`` step."""
+
+    def __init__(self, *, config_class: type = GitrunEnvironmentConfig, **kwargs: Any) -> None:
+        self.config: GitrunEnvironmentConfig = config_class(**kwargs)
+        c = self.config
+        self.run_id = c.run_id or f"mini-{uuid.uuid4().hex[:12]}"
+        options = SessionOptions(
+            task_dir=Path(c.task_dir),
+            run_id=self.run_id,
+            repo=None if c.repo is None else Path(c.repo),
+            workspace=None if c.workspace is None else Path(c.workspace),
+            key_file=None if c.key_file is None else Path(c.key_file),
+            lease_seconds=c.lease_seconds,
+            max_restarts=c.max_restarts,
+        )
+        if c.gitrun:
+            options.gitrun = list(c.gitrun)
+        self.client = SessionClient(options)
+        client = {"name": "mini-swe-agent", "version": mini_version}
+        self.info = self.client.request("initialize", {"protocol": "gitrun/1", "client": client})
+        # Keys go on after the run's receipts: an agent started again on the run gets new keys.
+        self.steps = int(self.client.request("observe")["receipt_count"])
+        self.verdict: dict[str, Any] | None = None  # finish's answer, once submitted
+
+    def execute(
+        self, action: dict[str, Any], cwd: str = "", *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Run ``action["command"]`` as one exec step; raise ``Submitted`` on a submit."""
+        command = str(action.get("command", ""))
+        if _SUBMIT_COMMAND.match(command):
+            self._submit("")
+        self.steps += 1
+        params: dict[str, Any] = {
+            "command": command,
+            "idempotency_key": f"{self.config.key_prefix}-{self.steps:05d}",
+        }
+        if cwd or self.config.cwd:
+            params["cwd"] = cwd or self.config.cwd
+        if (timeout or self.config.timeout) is not None:
+            params["timeout_seconds"] = timeout or self.config.timeout
+        try:
+            result = self.client.request("exec", params)
+        except SessionRefused as refused:
+            return self._refusal(refused)
+        except SessionEnded as ended:
+            raise self._stopped(str(ended)) from ended
+        output = _observation(result)
+        lines = output["output"].lstrip().splitlines(keepends=True)
+        if lines and lines[0].strip() == SUBMIT_MARKER and output["returncode"] == 0:
+            self._submit("".join(lines[1:]))
+        return output
+
+    def _refusal(self, refused: SessionRefused) -> dict[str, Any]:
+        """A refused command as an observation, unless the refusal stopped the run."""
+        try:
+            phase = self.client.request("observe")["phase"]
+        except (SessionRefused, SessionEnded) as gone:
+            raise self._stopped(f"{refused.rule}: {refused.message}") from gone
+        if phase != "running":
+            raise self._stopped(f"{refused.rule}: {refused.message}")
+        why = refused.message
+        why = why if why.startswith(refused.rule) else f"{refused.rule}: {why}"
+        return {
+            "output": f"gitrun refused this command: {why}\n",
+            "returncode": refused.exit_code,
+            "exception_info": "",
+            "extra": {"gitrun_rule": refused.rule},
+        }
+
+    def _submit(self, text: str) -> None:
+        """End the run through gitrun's verifier and hand mini-swe-agent the submission."""
+        try:
+            verdict = self.client.request("finish")
+        except SessionEnded:  # killed after the verdict was checkpointed: read it back
+            verdict = _finish_answer(self.client.status())
+        except SessionRefused as refused:
+            raise self._stopped(f"{refused.rule}: {refused.message}") from refused
+        self.verdict = verdict
+        self.client.close()
+        summary = (verdict.get("verifier") or {}).get("summary") or verdict.get("stop_reason")
+        line = f"gitrun run {self.run_id}: {verdict['phase']} ({summary})\n"
+        raise Submitted(
+            {
+                "role": "exit",
+                "content": line + text,
+                "extra": {"exit_status": "Submitted", "submission": text, "gitrun": verdict},
+            }
+        )
+
+    def _stopped(self, why: str) -> GitrunStopped:
+        """The exit message for a run that cannot go on in this session."""
+        self.client.close()
+        try:
+            info = self.client.status()
+        except Exception as e:  # the exit message still says why
+            info = {"status_error": str(e)}
+        content = f"gitrun run {self.run_id} stopped: {why}"
+        extra = {"exit_status": "GitrunStopped", "submission": "", "gitrun": info}
+        return GitrunStopped({"role": "exit", "content": content, "extra": extra})
+
+    def close(self) -> int:
+        """End the session (the run stays resumable when it was not finished)."""
+        return self.client.close()
+
+    def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:
+        """The config, the run id and the machine (mini's prompts name system and release)."""
+        return {
+            **asdict(self.config),
+            **platform.uname()._asdict(),
+            "run_id": self.run_id,
+            "gitrun_tools": self.info.get("tools", []),
+            **kwargs,
+        }
+
+    def serialize(self) -> dict[str, Any]:
+        """The trajectory's environment section, with the run id and the verdict."""
+        kind = f"{type(self).__module__}.{type(self).__name__}"
+        env = {"environment": asdict(self.config), "environment_type": kind}
+        return {"info": {"config": env, "gitrun": {"run_id": self.run_id, "verdict": self.verdict}}}
+
+
+def _observation(result: dict[str, Any]) -> dict[str, Any]:
+    """An exec receipt as mini-swe-agent's observation dict."""
+    code = result["exit_code"]
+    return {
+        "output": result["output"],
+        "returncode": -1 if code is None else code,
+        "exception_info": "" if code is not None else "gitrun killed the command (timeout)",
+        "extra": {"gitrun_commit": result["commit"], "gitrun_key": result["key"],
+                  "gitrun_replayed": result["replayed"]},
+    }  # fmt: skip
+
+
+def _finish_answer(info: dict[str, Any]) -> dict[str, Any]:
+    """``finish``'s answer rebuilt from ``gitrun status --json`` of an ended run."""
+    if info.get("phase") not in _ENDED:
+        raise SessionEnded(1, f"run {info.get('run_id')} is {info.get('phase')}, not ended")
+    return {
+        "phase": info["phase"],
+        "stop_reason": info.get("stop_reason"),
+        "head": info.get("head"),
+        "verifier": info.get("verifier"),
+    }
