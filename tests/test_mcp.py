@@ -12,7 +12,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import pytest
 from conftest import SANDBOXES, Gitrun, git
@@ -40,9 +40,11 @@ def params(gitrun: Gitrun, *args: str) -> StdioServerParameters:
 
 
 @asynccontextmanager
-async def client(gitrun: Gitrun, *args: str) -> AsyncIterator[ClientSession]:
+async def client(
+    gitrun: Gitrun, *args: str, errlog: TextIO = sys.stderr
+) -> AsyncIterator[ClientSession]:
     async with (
-        stdio_client(params(gitrun, *args)) as (read, write),
+        stdio_client(params(gitrun, *args), errlog=errlog) as (read, write),
         ClientSession(read, write) as session,
     ):
         await session.initialize()
@@ -95,9 +97,17 @@ def status(gitrun: Gitrun, run_id: str) -> dict[str, Any]:
     return info
 
 
-def test_the_sdk_client_solves_fix_median_through_gitrun_mcp(gitrun: Gitrun) -> None:
+def test_the_sdk_client_solves_fix_median_through_gitrun_mcp(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    err = tmp_path / "server.err"
+
     async def go() -> None:
-        async with client(gitrun, TASK, "--run-id", "m1") as s:
+        with err.open("w") as log:
+            await solve(log)
+
+    async def solve(log: TextIO) -> None:
+        async with client(gitrun, TASK, "--run-id", "m1", errlog=log) as s:
             tools = {t.name: t for t in (await s.list_tools()).tools}
             assert set(tools) == TOOLS  # exec is not in fix-median's policy
             patch = tools["apply_patch"]
@@ -125,6 +135,8 @@ def test_the_sdk_client_solves_fix_median_through_gitrun_mcp(gitrun: Gitrun) -> 
 
     run(go)
     assert status(gitrun, "m1")["phase"] == "done"
+    # the result line goes to stderr after serving: stdout is the client's wire
+    assert "run m1: done (8/8 required tests passed)" in err.read_text()
     assert keys_on_branch(gitrun, "m1") == ["mcp-fix-0001"]
 
 
