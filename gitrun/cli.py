@@ -6,6 +6,7 @@ its exit code; usage errors exit 2; nothing a user does wrong prints a traceback
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import typer
 from typer._click.exceptions import ClickException  # typer vendors click; not re-exported
 
 from gitrun.app import service, swebench
+from gitrun.app.reports import approval_text, review_text, ttl_seconds
 from gitrun.app.workspace import Workspace
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
@@ -181,8 +183,10 @@ def resume(
     _finish(service.resume(run_id, opts, task))
 
 
+@app.command("mcp", help="Serve a run as an MCP server on stdin/stdout: the client is its agent.")
 @app.command()
 def session(
+    ctx: typer.Context,
     task_dir: Annotated[Path, typer.Argument(help="A task directory holding task.toml.")],
     repo: Annotated[
         Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")
@@ -194,14 +198,19 @@ def session(
     key_file: KeyFileOpt = None,
     worker_id: WorkerOpt = None,
     lease_seconds: LeaseOpt = 30.0,
+    takeover_after: TakeoverOpt = None,
     trust_roots: TrustOpt = None,
     isolation: IsolationOpt = None,
 ) -> None:
     """Serve a run as JSON-RPC 2.0 lines on stdin/stdout: the caller is its agent."""
+    spec = "mcp" if ctx.info_name == "mcp" else "session"
+    if spec == "mcp" and importlib.util.find_spec("mcp") is None:
+        raise BadInput("the MCP server needs the mcp extra: pip install 'gitrun[mcp]'")
     opts = _options(
-        workspace, key_file, worker_id, lease_seconds, None, False, trust_roots, isolation
-    )
-    _finish(service.start(task_dir, opts, repo_path=repo, agent_spec="session", run_id=run_id))
+        workspace, key_file, worker_id, lease_seconds, takeover_after, False, trust_roots,
+        isolation,
+    )  # fmt: skip
+    _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=spec, run_id=run_id))
 
 
 @app.command()
@@ -250,6 +259,34 @@ def checkpoints(run_id: str, workspace: WorkspaceOpt = None, key_file: KeyFileOp
         typer.echo(f"g={s.generation:<4} {s.phase:<18} {when}  key {stored.key_id}  {oid}  {kinds}")
 
 
+@app.command()
+def log(run_id: str, as_json: JsonOpt = False, workspace: WorkspaceOpt = None,
+        key_file: KeyFileOpt = None) -> None:  # fmt: skip
+    """List the run's steps (generation, key, action, commit, diffstat, verdicts) in order."""
+    from gitrun.app import history
+
+    info = history.run_log(run_id, _options(workspace, key_file))
+    typer.echo(json.dumps(info, indent=2, sort_keys=True) if as_json else history.log_text(info))
+
+
+@app.command()
+def rewind(
+    run_id: str,
+    to: Annotated[str, typer.Option("--to", help="A receipt commit (prefix) or a generation.")],
+    key: Annotated[str | None, typer.Option("--key", help="An idempotency key.")] = None,
+    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None, worker_id: WorkerOpt = None,
+    takeover_after: TakeoverOpt = None, trust_roots: TrustOpt = None,
+) -> None:  # fmt: skip
+    """Restore the tree of an earlier receipt or generation as one new step (a new commit)."""
+    from gitrun.app import history
+
+    opts = _options(workspace, key_file, worker_id, 30.0, takeover_after, False, trust_roots)
+    r = history.rewind(run_id, opts, to, key)
+    done = "replayed" if r["replayed"] else "committed"
+    typer.echo(f"run {run_id}: rewind {done} as {r['commit']} (tree {r['tree']}, key {r['key']})")
+    typer.echo(f"changed: {', '.join(r['paths'])}")
+
+
 @checkpoint_app.command("verify")
 def checkpoint_verify(
     run_id: str,
@@ -290,24 +327,6 @@ def crash_points() -> None:
     """List the named crash points for GITRUN_CRASH_AT=<point>[:<nth>]."""
     for name, what in faults.POINTS.items():
         typer.echo(f"{name:<28} {what}")
-
-
-MAX_TTL_SECONDS = 366 * 86400
-
-
-def _seconds(text: str) -> float:
-    """A ``--ttl`` duration in seconds: finite, positive, at most a year (bad input else)."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
-    try:
-        value = float(number) * units[unit]
-    except ValueError:
-        value = -1.0
-    if not math.isfinite(value) or value <= 0:
-        raise BadInput(f"--ttl {text!r} is not a duration like 90s, 30m, 1h or 2d")
-    if value > MAX_TTL_SECONDS:
-        raise BadInput(f"--ttl {text!r} is longer than 366d; approvals are meant to expire")
-    return value
 
 
 @keys_app.command("new")
@@ -352,40 +371,15 @@ def approve(
 ) -> None:
     """Show the action waiting for approval and sign an approval bound to exactly it."""
     opts = _options(workspace, key_file, trust_roots=trust_roots)
-    state, signed, diff = service.approve(run_id, opts, key, _seconds(ttl), note)
-    p = state.pending
-    if p is None:
-        raise GitrunError("nothing pending")
-    expires = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(signed.claims["expires_at"]))
-    typer.echo(f"run {run_id} generation {state.generation}: {p.action.summary()}")
-    typer.echo(f"risk: {p.risk}   key: {p.key}   intent: {p.intent_digest}")
-    typer.echo(diff.rstrip("\n"))
-    typer.echo(
-        f"approved by {signed.signer}: evidence {signed.fingerprint()} valid until {expires}"
-    )
-    typer.echo(f"next: gitrun resume {run_id} --trust-roots TRUST_ROOTS.json")
+    state, signed, diff = service.approve(run_id, opts, key, ttl_seconds(ttl), note)
+    typer.echo(approval_text(run_id, state, signed, diff))
 
 
 @review_app.command("show")
 def review_show(run_id: str, workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None) -> None:
     """Print the open review case: both digests, the receipt, and the two diffs side by side."""
     state, text = service.review_case(run_id, _options(workspace, key_file))
-    case = state.review
-    if case is None:
-        raise GitrunError("no review case")
-    r = case.receipt
-    typer.echo(f"run {run_id}: needs_review ({case.reason})")
-    typer.echo(f"key              {case.key}")
-    typer.echo(f"pending intent   {case.pending_digest}  ({case.action.summary()})")
-    typer.echo(f"receipt intent   {case.receipt_digest}")
-    if r is None:
-        typer.echo("receipt          none (the command was interrupted; nothing committed)")
-    else:
-        typer.echo(f"receipt          {r.namespace} {r.version} commit {r.commit} tree {r.tree}")
-    typer.echo(f"receipt print    {case.receipt_fingerprint}")
-    typer.echo(f"environment      {case.environment_version}")
-    typer.echo(text.rstrip("\n"))
-    typer.echo(f"decide: gitrun review decide {run_id} --key REVIEWER.key replan|abort")
+    typer.echo(review_text(run_id, state, text))
 
 
 @review_app.command("decide")

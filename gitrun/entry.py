@@ -25,6 +25,7 @@ COMMANDS = (
     ("run", "Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."),
     ("resume", "Continue a run that stopped anywhere: verify, reconcile, carry on exactly once."),
     ("session", "Serve a run as JSON-RPC 2.0 lines on stdin/stdout: the caller is its agent."),
+    ("mcp", "Serve a run as an MCP server on stdin/stdout: the client is its agent."),
     ("status", "Show a run's phase, HEAD, pending action, receipts, verifier and lease."),
     (
         "receipts",
@@ -32,6 +33,11 @@ COMMANDS = (
     ),
     ("list", "List the runs this workspace knows."),
     ("checkpoints", "List the verified checkpoint chain, newest first."),
+    ("log", "List the run's steps (generation, key, action, commit, diffstat, verdicts) in order."),
+    (
+        "rewind",
+        "Restore the tree of an earlier receipt or generation as one new step (a new commit).",
+    ),
     ("approve", "Show the action waiting for approval and sign an approval bound to exactly it."),
     ("swebench", "Evaluate SWE-bench predictions, one gitrun run per instance."),
     ("checkpoint", "Verify checkpoints."),

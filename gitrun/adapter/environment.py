@@ -38,7 +38,7 @@ from gitrun.core.errors import (
     Refused,
 )
 from gitrun.core.patch import apply_file_patch, parse_patch
-from gitrun.core.records import EXEC, Action, Precondition, Receipt
+from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
 from gitrun.store import gitstore, trees
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence, fenced
@@ -344,6 +344,9 @@ class Environment(WorktreeFiles):
         patch = action.patch_bytes()
         if action.kind == "apply_patch" and patch is not None:
             return self._patch_changes(patch, tree, blob)
+        target = self.repo.get(action.tree) if action.kind == REWIND and action.tree else None
+        if isinstance(target, pygit2.Tree):
+            return trees.rewind_changes(tree, target)
         raise GateRejected("malformed-action", f"{action.kind} lacks the fields it needs")
 
     def _patch_changes(

@@ -25,7 +25,7 @@ import pygit2
 from gitrun.core import exec_policy
 from gitrun.core.errors import GateRejected
 from gitrun.core.patch import apply_file_patch, changed_line_count, parse_patch, touched_paths
-from gitrun.core.records import EXEC, Action, Budgets
+from gitrun.core.records import EXEC, REWIND, Action, Budgets, kind_allowed
 from gitrun.core.task import Policy, Task
 from gitrun.store import trees
 
@@ -149,7 +149,7 @@ class Gate:
     def check_action(self, action: Action, tree: pygit2.Tree, *, on_disk: bool = True) -> Action:
         """Every rule but the budgets: the one a pending action passes again when it
         executes (``on_disk=False``: the adapter then checks the disk, as drift)."""
-        if action.kind not in self.policy.allowed_actions:
+        if not kind_allowed(action.kind, self.policy.allowed_actions):
             raise GateRejected(
                 "action-not-allowed",
                 f"{action.kind} is not allowed by policy {self.policy.id}@{self.policy.version} "
@@ -160,6 +160,9 @@ class Gate:
             return action
         if action.kind == EXEC:
             return self._check_exec(action, tree, on_disk)
+        if action.kind == REWIND:
+            self.check_rewind(action, tree)
+            return action
         path = normalise_path(action.path)
         self.check_path(path, tree, on_disk=on_disk)
         if action.kind == "write_file" and action.content_bytes() is None:
@@ -305,6 +308,25 @@ class Gate:
             raise GateRejected("exec-cwd", f"cwd {path} is not a directory of the tree")
         return path
 
+    def check_rewind(self, action: Action, tree: pygit2.Tree) -> None:
+        """A rewind meets the rules a write of every path it changes would meet."""
+        target = self.repo.get(action.tree) if action.tree else None
+        if not isinstance(target, pygit2.Tree):
+            raise GateRejected("rewind-target-missing", f"tree {action.tree} is not in the repo")
+        changes = trees.rewind_changes(tree, target)
+        if not changes:
+            raise GateRejected("rewind-no-change", "HEAD already has that tree; nothing to do")
+        shaped: dict[str, tuple[int, pygit2.Oid | None] | None] = {
+            p: None if c is None else (c[1], c[0]) for p, c in changes.items()
+        }
+        self.check_exec_changes(shaped, tree, target)
+
+    def _rewound_paths(self, action: Action, tree: pygit2.Tree | None) -> tuple[str, ...]:
+        target = self.repo.get(action.tree) if action.kind == REWIND and action.tree else None
+        if tree is None or not isinstance(target, pygit2.Tree):
+            return ()
+        return tuple(trees.rewind_changes(tree, target))
+
     def check_exec_changes(
         self, changes: dict[str, tuple[int, pygit2.Oid | None] | None],
         old: pygit2.Tree, new: pygit2.Tree,
@@ -329,15 +351,16 @@ class Gate:
                     path, obj.data if isinstance(obj, pygit2.Blob) else b"", new, False
                 )
 
-    def risk(self, action: Action) -> str | None:
-        """The name of the first risk rule the action matches (it needs approval), or None."""
+    def risk(self, action: Action, tree: pygit2.Tree | None = None) -> str | None:
+        """The name of the first risk rule the action matches (it needs approval), or None.
+        ``tree`` (HEAD's) gives a rewind's paths: every path it would change."""
         patch = action.patch_bytes()
         paths = (
             touched_paths(parse_patch(patch))
             if action.kind == "apply_patch" and patch
             else (action.path,)
             if action.path
-            else ()
+            else self._rewound_paths(action, tree)
         )
         lines = changed_line_count(parse_patch(patch)) if patch else 0
         for rule in self.policy.risk:

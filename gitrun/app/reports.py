@@ -9,6 +9,7 @@ needs (approvals, evidence signing, diffs) is imported inside those functions.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -144,6 +145,24 @@ def rewitness(run_id: str, opts: Options, generation: int) -> Stored:
     return opened.store.rewitness(ref, generation)
 
 
+MAX_TTL_SECONDS = 366 * 86400
+
+
+def ttl_seconds(text: str) -> float:
+    """A ``--ttl`` duration in seconds: finite, positive, at most a year (bad input else)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value <= 0:
+        raise BadInput(f"--ttl {text!r} is not a duration like 90s, 30m, 1h or 2d")
+    if value > MAX_TTL_SECONDS:
+        raise BadInput(f"--ttl {text!r} is longer than 366d; approvals are meant to expire")
+    return value
+
+
 def approve(
     run_id: str, opts: Options, key_file: Path, ttl_seconds: float, note: str
 ) -> tuple[RunState, Signed, str]:
@@ -207,3 +226,46 @@ def review_decide(run_id: str, opts: Options, key_file: Path, decision: str) -> 
     )
     submit(opened.repo, run_id, "review", signed)
     return signed
+
+
+def review_text(run_id: str, state: RunState, diffs: str) -> str:
+    """What ``gitrun review show`` prints: the case's digests, receipt and both diffs."""
+    case = state.review
+    if case is None:
+        raise BadInput(f"run {run_id} is {state.phase}; it has no open review case")
+    r = case.receipt
+    receipt = (
+        "none (the command was interrupted; nothing committed)"
+        if r is None
+        else f"{r.namespace} {r.version} commit {r.commit} tree {r.tree}"
+    )
+    return "\n".join(
+        [
+            f"run {run_id}: needs_review ({case.reason})",
+            f"key              {case.key}",
+            f"pending intent   {case.pending_digest}  ({case.action.summary()})",
+            f"receipt intent   {case.receipt_digest}",
+            f"receipt          {receipt}",
+            f"receipt print    {case.receipt_fingerprint}",
+            f"environment      {case.environment_version}",
+            diffs.rstrip("\n"),
+            f"decide: gitrun review decide {run_id} --key REVIEWER.key replan|abort",
+        ]
+    )
+
+
+def approval_text(run_id: str, state: RunState, signed: Signed, diff: str) -> str:
+    """What ``gitrun approve`` prints: the action, its diff, and the evidence made."""
+    p = state.pending
+    if p is None:
+        raise BadInput(f"run {run_id} is {state.phase}; there is nothing to approve")
+    expires = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(signed.claims["expires_at"]))
+    return "\n".join(
+        [
+            f"run {run_id} generation {state.generation}: {p.action.summary()}",
+            f"risk: {p.risk}   key: {p.key}   intent: {p.intent_digest}",
+            diff.rstrip("\n"),
+            f"approved by {signed.signer}: evidence {signed.fingerprint()} valid until {expires}",
+            f"next: gitrun resume {run_id} --trust-roots TRUST_ROOTS.json",
+        ]
+    )

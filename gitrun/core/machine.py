@@ -55,6 +55,7 @@ from gitrun.core.records import (
     Receipt,
     ReviewCase,
     RunState,
+    kind_allowed,
 )
 
 __all__ = [
@@ -206,7 +207,7 @@ def _bad_intent(s: RunState, e: Proposed) -> str | None:
     last = s.receipts.last
     if last is not None and last.key == e.key and last.intent_digest == e.digest:
         return f"key {e.key} is already a recorded receipt"  # another digest: a conflict
-    if e.action.kind not in s.scope.allowed_actions:
+    if not kind_allowed(e.action.kind, s.scope.allowed_actions):
         return f"{e.action.kind} is outside the allowed scope"
     if e.precondition.instance_id != s.env.instance_id:
         return "the precondition names another environment instance"

@@ -19,6 +19,15 @@ ADAPTER_VERSION = "gitrun-git/1"
 
 ACTION_KINDS = ("write_file", "delete_file", "apply_patch", "exec")
 EXEC = "exec"
+# A rewind restores an earlier tree of the run as one new step (never a listed policy
+# action: it is allowed wherever some write is, and every path it changes meets the rules).
+REWIND = "rewind"
+
+
+def kind_allowed(kind: str, allowed: tuple[str, ...]) -> bool:
+    """Whether a policy allowing ``allowed`` allows ``kind`` (a rewind: when any write is)."""
+    return kind in allowed or (kind == REWIND and bool(allowed))
+
 
 # Phases of a run; a checkpoint names one explicitly.
 RUNNING = "running"
@@ -54,6 +63,7 @@ class Action:
     cwd: str | None = optional_field()
     timeout_seconds: float | None = optional_field()
     env: tuple[str, ...] | None = optional_field()
+    tree: str | None = optional_field()  # rewind only: the tree oid the step restores
 
     def __post_init__(self) -> None:
         self.content_bytes()  # each payload has one well-formed form, or the record is refused
@@ -95,6 +105,8 @@ class Action:
                 "timeout_seconds": self.timeout_seconds,
                 "env": None if self.env is None else list(self.env),
             }
+        if self.kind == REWIND:
+            return {"kind": self.kind, "tree": self.tree}
         content, content_b64 = _text_or_b64(self.content_bytes())
         patch, patch_b64 = _text_or_b64(self.patch_bytes())
         out: dict[str, Any] = {
@@ -117,6 +129,8 @@ class Action:
             shown = self.command if self.argv is None else " ".join(self.argv)
             shown = " ".join((shown or "").split())
             return f"exec {shown[:60]}" + ("..." if len(shown) > 60 else "")
+        if self.kind == REWIND:
+            return f"rewind to tree {(self.tree or '?')[:12]}"
         return f"{self.kind} {self.path}"
 
 

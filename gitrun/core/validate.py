@@ -17,6 +17,7 @@ from gitrun.core.records import (
     SCHEMA_VERSION,
     Pending,
     RunState,
+    kind_allowed,
 )
 
 
@@ -75,7 +76,7 @@ def _check_pending(state: RunState, pending: Pending) -> None:
     # session client reusing its key), which execution turns into a review case.
     if last is not None and last.key == pending.key and last.intent_digest == pending.intent_digest:
         raise _bad("pending-key", f"pending key {pending.key} is already a recorded receipt")
-    if pending.action.kind not in state.scope.allowed_actions:
+    if not kind_allowed(pending.action.kind, state.scope.allowed_actions):
         raise _bad("pending-scope", f"{pending.action.kind} is outside the allowed scope")
     if pending.precondition.instance_id != state.env.instance_id:
         raise _bad("pending-instance", "the pending precondition names another instance")

@@ -157,7 +157,7 @@ class Runtime:
             )
             return
         pre = Precondition(obs.instance_id, obs.head, obs.tree)
-        risk = self.gate.risk(action)
+        risk = self.gate.risk(action, self.env.head().tree)
         key = self.agent.proposal_key() or new_key()  # a session client's own key
         self.apply(m.Proposed(action, key, action.intent_digest(), risk, pre, time.time()))
         faults.point("after_intent_checkpoint")

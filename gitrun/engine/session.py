@@ -31,7 +31,7 @@ from gitrun.core.records import (
     Receipt,
     RunState,
 )
-from gitrun.engine import jsonrpc, session_read
+from gitrun.engine import jsonrpc, session_read, session_rewind
 from gitrun.engine.agents import Finish
 from gitrun.engine.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 from gitrun.engine.session_rpc import (
@@ -57,7 +57,9 @@ MAX_OUTPUT_TAIL = 8000
 class Session:
     """One connection: requests in, responses out, each write one runtime step."""
 
-    def __init__(self, rt: Runtime, agent: SessionAgent, transport: jsonrpc.Transport) -> None:
+    def __init__(
+        self, rt: Runtime, agent: SessionAgent, transport: jsonrpc.Transport | None = None
+    ) -> None:
         self.rt = rt
         self.agent = agent
         self.transport = transport
@@ -76,24 +78,33 @@ class Session:
             "exec": self.exec,
             "run_tests": self.run_tests,
             "finish": self.finish,
+            "rewind": self.rewind,
         }
 
     # -- the loop ----------------------------------------------------------------------
 
-    def serve(self) -> RunState:
+    def begin(self) -> None:
+        """Before the first request: an intent an earlier gitrun persisted, once, same key."""
         rt = self.rt
         if rt.state.phase == RUNNING and rt.state.pending is not None:
-            rt.execute_pending()  # an intent an earlier gitrun persisted: once, same key
+            rt.execute_pending()
+
+    def serve(self) -> RunState:
+        """The JSON-RPC loop on :attr:`transport` until ``finish`` or the agent's EOF."""
+        rt, transport = self.rt, self.transport
+        if transport is None:
+            raise GitrunError("a JSON-RPC session needs a transport")
+        self.begin()
         interval = max(0.2, rt.lease.duration / 4)
         while not self.finished:
-            line = self.transport.read_line(interval)
+            line = transport.read_line(interval)
             if isinstance(line, jsonrpc.Timeout):
                 rt.lease.maybe_renew(rt.state.generation)  # an agent may think for minutes
                 continue
             if isinstance(line, jsonrpc.Eof):
                 break
             self.handle(line)
-            if self.transport.closed:
+            if transport.closed:
                 break
         return self.end()
 
@@ -112,12 +123,15 @@ class Session:
 
     def handle(self, line: bytes) -> None:
         """Answer one line; no input ends the session, only a lost lease or a gitrun bug."""
+        transport = self.transport
+        if transport is None:
+            raise GitrunError("a JSON-RPC session needs a transport")
         if not line.strip():
             return
         try:
             req = jsonrpc.parse(line)
         except RpcError as err:
-            self.transport.send(jsonrpc.error(jsonrpc.request_id(err), err))
+            transport.send(jsonrpc.error(jsonrpc.request_id(err), err))
             return
         try:
             answer = jsonrpc.result(req.id, self.call(req))
@@ -126,21 +140,26 @@ class Session:
         except GitrunError as exc:
             answer = jsonrpc.error(req.id, error_of(exc, self.rt.state))
             if isinstance(exc, LeaseLost) or exc.exit_code == Exit.INTERNAL:
-                self.transport.send(answer)
+                transport.send(answer)
                 raise
         except Exception as exc:
             bug = RpcError(jsonrpc.INTERNAL_ERROR, f"internal error: {type(exc).__name__}: {exc}")
-            self.transport.send(jsonrpc.error(req.id, bug))
+            transport.send(jsonrpc.error(req.id, bug))
             raise
         if not req.notification:
-            self.transport.send(answer)
+            transport.send(answer)
 
     def call(self, req: jsonrpc.Request) -> dict[str, Any]:
-        method = self.methods.get(req.method)
+        return self.dispatch(req.method, req.params)
+
+    def dispatch(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One method, whatever the transport (JSON-RPC lines, MCP): its result, or raises
+        :class:`RpcError` (bad method or params) or a :class:`GitrunError` (refused)."""
+        method = self.methods.get(name)
         if method is None:
-            raise RpcError(METHOD_NOT_FOUND, f"no method {req.method!r}; see docs/protocol.md")
-        check_params(req.method, req.params)
-        return method(req.params)
+            raise RpcError(METHOD_NOT_FOUND, f"no method {name!r}; see docs/protocol.md")
+        check_params(name, params)
+        return method(params)
 
     # -- read-only ---------------------------------------------------------------------
 
@@ -255,6 +274,12 @@ class Session:
     def exec(self, params: dict[str, Any]) -> dict[str, Any]:
         key = check_key(params.get("idempotency_key"))
         return self.mutate(exec_action(params), key)
+
+    def rewind(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Restore an earlier receipt's (or generation's) tree as one new gated step."""
+        self._require_running()
+        action = session_rewind.rewind_action(self.rt, params["to"])
+        return self.mutate(action, check_key(params.get("idempotency_key")))
 
     def mutate(self, action: Action, key: str | None) -> dict[str, Any]:
         """One gated step: replay a known client key, else intent, write, receipt."""

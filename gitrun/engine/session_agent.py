@@ -47,7 +47,8 @@ class SessionAgent(ScriptAgent):
     """The agent of a session run: proposes what the current request asks, nothing else.
 
     ``spec`` is ``session`` (the protocol on this process's stdin/stdout) or
-    ``cmd:COMMAND`` (gitrun spawns COMMAND and serves it over the child's pipes)."""
+    ``cmd:COMMAND`` (gitrun spawns COMMAND and serves it over the child's pipes), or
+    ``mcp`` (an MCP server on this process's stdin/stdout, :mod:`gitrun.engine.mcp_server`)."""
 
     name: str = "session"
     actions: tuple[Action, ...] = ()
@@ -56,8 +57,8 @@ class SessionAgent(ScriptAgent):
 
     @property
     def identity(self) -> str:
-        if self.spec == "session":
-            return "session"
+        if self.spec in ("session", "mcp"):
+            return self.spec
         return f"session:cmd:{digest(self.spec)}"
 
     def propose(self, observation: Observation, cursor: int) -> Action | Finish:
@@ -77,13 +78,17 @@ class SessionAgent(ScriptAgent):
 
         if self.spec == "session":
             return Session(rt, self, stdio_transport()).serve()
+        if self.spec == "mcp":
+            from gitrun.engine import mcp_server
+
+            return mcp_server.serve(rt, self)
         from gitrun.engine.agentproc import serve_child
 
         return serve_child(self.spec.removeprefix("cmd:"), lambda t: Session(rt, self, t).serve())
 
 
 def session_agent(spec: str) -> SessionAgent:
-    """The session agent for ``session`` or ``cmd:COMMAND`` (checked: shlex-split, not empty)."""
+    """The session agent for ``session``, ``mcp`` or ``cmd:COMMAND`` (shlex-split, not empty)."""
     if spec.startswith("cmd:"):
         try:
             argv = shlex.split(spec.removeprefix("cmd:"))

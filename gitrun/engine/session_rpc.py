@@ -14,7 +14,7 @@ from gitrun.engine.jsonrpc import INVALID_PARAMS, RpcError
 PROTOCOL = "gitrun/1"
 KEY_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{7,79}"  # a ref name component, as gitrun's own keys
 _KEY = re.compile(KEY_PATTERN + r"\Z")
-MUTATING = ("write_file", "delete_file", "apply_patch", "exec")
+MUTATING = ("write_file", "delete_file", "apply_patch", "exec")  # each a policy action
 
 # method -> {param: (type, required)}; unknown params are refused (-32602)
 PARAMS: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
@@ -34,6 +34,7 @@ PARAMS: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
     },
     "run_tests": {},
     "finish": {},
+    "rewind": {"to": ((str, int), True), "idempotency_key": (str, False)},
 }
 
 

@@ -112,6 +112,19 @@ def changed_paths(old: pygit2.Tree, new: pygit2.Tree) -> set[str]:
     return paths
 
 
+def rewind_changes(old: pygit2.Tree, new: pygit2.Tree) -> dict[str, Change]:
+    """The path → (blob, mode) map (None: delete) that turns ``old`` into ``new``."""
+    changes: dict[str, Change] = {}
+    for path in sorted(changed_paths(old, new)):
+        mode = entry_mode(new, path)
+        obj = entry(new, path)
+        if mode is None or mode == TREE or obj is None:
+            changes[path] = None
+        else:
+            changes[path] = (obj.id, mode)
+    return changes
+
+
 def tree_from_dir(repo: pygit2.Repository, root: Path) -> pygit2.Oid:
     """A tree of every regular file under ``root`` (sorted, exec bit kept, no symlinks)."""
     changes: dict[str, Change] = {}
