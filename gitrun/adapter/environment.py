@@ -25,6 +25,7 @@ from gitrun.adapter import safefs
 from gitrun.adapter.worktree import INDEX_BASE_FILE, WorktreeFiles
 from gitrun.core import faults, trailer
 from gitrun.core.codec import digest
+from gitrun.core.contracts import Appended
 from gitrun.core.env_records import CLEAN_STATUS as CLEAN_STATUS  # noqa: PLC0414 - re-export
 from gitrun.core.env_records import Approval as Approval  # noqa: PLC0414 - re-export for callers
 from gitrun.core.env_records import Observation as Observation  # noqa: PLC0414 - re-export
@@ -136,13 +137,8 @@ class Environment(WorktreeFiles):
     # -- observation -------------------------------------------------------------------
 
     def head(self) -> pygit2.Commit:
-        oid = gitstore.read_ref(self.repo, self.branch)
-        if oid is None:
-            raise EnvironmentDrift("branch-missing", f"{self.branch} does not exist")
-        commit = self.repo[oid]
-        if not isinstance(commit, pygit2.Commit):
-            raise EnvironmentDrift("branch-not-commit", f"{self.branch} does not point at a commit")
-        return commit
+        """The run branch's tip commit (EnvironmentDrift when it is gone)."""
+        return self.receipt_log.tip()
 
     def check_head_on_branch(self) -> None:
         """The worktree's HEAD must be the symbolic ref to the run's branch.
@@ -271,12 +267,9 @@ class Environment(WorktreeFiles):
     ) -> Outcome:
         """Append the write commit to the receipt log (the branch move: the commit point),
         then bring the files on disk to the new tree."""
-        expiry = [gitstore.Guard(self.branch, _expiry_check(approval))] if approval else []
-        appended = self.receipt_log.append(oid, str(head.id), fence, guards=expiry)
+        appended = self.append_write(oid, head, fence, approval)
         if appended.replayed:
             return Outcome(appended.receipt, replayed=True)
-        self.write_count += 1
-        faults.point("after_receipt_index")
         commit = self.repo[oid]
         if not isinstance(commit, pygit2.Commit):
             raise GitrunError(f"{oid} is not a commit")
@@ -285,6 +278,18 @@ class Environment(WorktreeFiles):
         self.sync_files(head.tree, commit.tree, changes, fence)
         faults.point("after_file_sync")
         return Outcome(appended.receipt, replayed=False)
+
+    def append_write(
+        self, oid: pygit2.Oid, head: pygit2.Commit, fence: Fence, approval: Approval | None
+    ) -> Appended:
+        """The commit point of every write kind: the fenced branch move (refused after an
+        approval's expiry), counted when it is not a replay."""
+        expiry = [gitstore.Guard(self.branch, _expiry_check(approval))] if approval else []
+        appended = self.receipt_log.append(oid, str(head.id), fence, guards=expiry)
+        if not appended.replayed:
+            self.write_count += 1
+            faults.point("after_receipt_index")
+        return appended
 
     def _check_precondition(self, head: pygit2.Commit, pre: Precondition) -> None:
         instance = self.instance_id()

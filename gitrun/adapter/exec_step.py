@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import pygit2
 
 from gitrun.adapter import shell
-from gitrun.adapter.environment import Approval, Environment, Outcome, _expiry_check
+from gitrun.adapter.environment import Approval, Environment, Outcome
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import Confinement
 from gitrun.core import faults
@@ -183,12 +183,9 @@ def execute(
         action, key, intent_digest, pre, fence, approval, head, new_tree, sorted(changes), extra
     )
     faults.point("after_write_commit_object")
-    expiry = [gitstore.Guard(env.branch, _expiry_check(approval))] if approval else []
-    appended = env.receipt_log.append(oid, str(head.id), fence, guards=expiry)
+    appended = env.append_write(oid, head, fence, approval)
     if appended.replayed:
         return Outcome(appended.receipt, replayed=True)
-    env.write_count += 1
-    faults.point("after_receipt_index")
     faults.point("after_file_sync")  # the files on disk already are the commit's
     return Outcome(appended.receipt, replayed=False)
 
