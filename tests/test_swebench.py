@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import signal
 import tempfile
@@ -101,7 +102,11 @@ def test_gold_resolves_every_instance_in_swebench_report_shapes(
     assert f2p["failure"] == []
     assert "tests/test_median.py::test_even_length_four" in f2p["success"]
     out_dir = world / "out" / "logs" / "run_evaluation" / "r1" / "gold" / MEDIAN
-    assert "passed" in (out_dir / "test_output.txt").read_text()
+    output = (out_dir / "test_output.txt").read_text()
+    # the test command's own output (pytest's closing line), then gitrun's summary after it
+    said = re.search(r"^\d+ passed in [\d.]+s$", output, re.M)
+    assert said is not None, output
+    assert output.index("result: resolved") > said.end()
     assert json.loads((out_dir / "gitrun.json").read_text())["stage"] == "strict"
     # each instance: one gitrun run with exactly two receipts (prediction, test patch)
     assert list(receipts(world, "fix-median").values()) == [2]
@@ -124,6 +129,10 @@ def test_wrong_predictions_resolve_nothing(gitrun: Gitrun, world: Path) -> None:
     assert (
         "tests/test_median.py::test_even_length" in body["tests_status"]["FAIL_TO_PASS"]["failure"]
     )
+    out_dir = world / "out" / "logs" / "run_evaluation" / "r1" / "wrong-model" / MEDIAN
+    output = (out_dir / "test_output.txt").read_text()
+    assert re.search(r"^FAILED tests/test_median.py::test_even_length", output, re.M), output
+    assert re.search(r"^\d+ failed, \d+ passed in ", output, re.M), output
 
 
 def _gold(iid: str) -> str:
@@ -226,6 +235,34 @@ def test_two_workers_on_one_repository_give_the_same_report(gitrun: Gitrun, worl
     report = json.loads((world / "out" / "gold.w2.json").read_text())
     assert report["resolved_ids"] == ids
     assert set(receipts(world, "fix-median").values()) == {2}
+    assert_in_flight_shown_before_result(res.err, ids, 6)
+
+
+def assert_in_flight_shown_before_result(err: str, ids: list[str], total: int) -> None:
+    """Plain progress lines: each instance is shown running, with the counts, before its
+    result line."""
+    lines = err.splitlines()
+    for iid in ids:
+        running = [n for n, x in enumerate(lines) if re.search(rf"running {re.escape(iid)}\b", x)]
+        done = [n for n, x in enumerate(lines) if f"] {iid}: resolved" in x]
+        assert running, (iid, err)
+        assert done, (iid, err)
+        assert running[0] < done[0], (iid, err)
+        assert re.search(rf"\[\d+/{total}\] .*resolved \d+, errors \d+", lines[running[0]]), err
+
+
+def test_plain_progress_shows_the_instance_in_flight_before_its_result(
+    gitrun: Gitrun, world: Path
+) -> None:
+    res = gitrun(
+        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", "gold",
+        "--repos", str(world / "repos"), "--run-id", "p", "--report-dir", str(world / "out"),
+    )  # fmt: skip
+    assert res.code == 0, res.err
+    lines = res.err.splitlines()
+    first = next(n for n, x in enumerate(lines) if "running" in x)
+    assert re.search(rf"\[0/2\] running {IDS[0]} \(resolved 0, errors 0\)", lines[first]), res.err
+    assert_in_flight_shown_before_result(res.err, IDS, 2)
 
 
 def test_kill_9_at_random_moments_then_rerun_gives_the_same_report_each_instance_once(

@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from gitrun.core import junit
 from gitrun.core.errors import BadInput, LeaseLost
+from gitrun.engine import verifier
 from gitrun.engine.verifier import VerifierResult, VerifierSpec, run_verifier
 
 pytestmark = pytest.mark.timeout(60)
@@ -418,6 +420,34 @@ def test_spec_decoding_refuses_unknown_fields_and_bare_string_commands() -> None
 def test_junit_spec_without_required_tests_is_refused() -> None:
     with pytest.raises(BadInput, match="at least one"):
         spec()
+
+
+def test_the_whole_output_is_kept_where_asked_not_only_its_tail(
+    project: Path, tmp_path: Path
+) -> None:
+    kept = tmp_path / "kept" / "output.log"
+
+    run_verifier(spec((A + "test_fixed",)), project, keep_log=kept)
+
+    text = kept.read_text()
+    assert "boom-marker" in text  # the failing assertion, printed early in pytest's output
+    assert re.search(r"^\d+ failed, \d+ passed.* in [\d.]+s$", text, re.M), text
+
+
+def test_a_kept_output_over_the_bound_keeps_its_end_and_says_it_was_cut(
+    project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(verifier, "KEPT_LOG_BYTES", 1000)
+    kept = tmp_path / "output.log"
+    command = ("{python}", "-c", "print('early ' * 2000); print('the-last-line')")
+
+    run_verifier(spec((A + "test_fixed",), command=command, junit=False), project, keep_log=kept)
+
+    lines = kept.read_text().splitlines()
+    assert lines[0].startswith("[gitrun: output truncated: the first ")
+    assert lines[-1] == "the-last-line"
+    assert "early" in lines[1]
+    assert len(kept.read_bytes()) < 1200
 
 
 def test_result_serialises_to_json() -> None:

@@ -54,6 +54,7 @@ class Options:
     say: Callable[[str], None] = _quiet
     trust_roots: Path | None = None
     isolation: str | None = None  # --isolation: overrides the task's [verifier] isolation
+    output_log: Path | None = None  # the verifier keeps its command's output here (swebench)
 
     @property
     def approvals(self) -> Approvals:

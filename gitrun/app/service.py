@@ -220,6 +220,7 @@ def _first_runtime(
         approvals=opts.approvals,
         isolation=opts.isolation,
         secrets=opts.secrets,
+        output_log=opts.output_log,
     )
 
 
@@ -338,6 +339,7 @@ def build_runtime(
         opts.approvals,
         opts.isolation,
         opts.secrets,
+        output_log=opts.output_log,
     )
 
 

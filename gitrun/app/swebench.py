@@ -83,17 +83,32 @@ def _context(req: Request, workspace: Path | None, key_file: Path | None) -> Con
                    str(key_file.resolve()) if key_file else None)  # fmt: skip
 
 
+_started: Any = None  # in a worker process: the queue its instance ids go to as they start
+
+
+def _init_worker(started: Any) -> None:
+    global _started  # noqa: PLW0603 - one per spawned worker process, set once
+    _started = started
+
+
 def _work(arg: tuple[Context, Job]) -> dict[str, Any]:
+    if _started is not None:
+        _started.put(arg[1].inst.instance_id)
     return evaluate(*arg)
 
 
-def _rounds(ctx: Context, jobs: Sequence[Job], workers: int) -> Iterator[dict[str, Any]]:
+Started = Callable[[str], None]
+
+
+def _rounds(
+    ctx: Context, jobs: Sequence[Job], workers: int, started: Started
+) -> Iterator[dict[str, Any]]:
     """Every job's result; a job another command holds is tried again after a pause."""
     todo = list(jobs)
     while todo:
         busy: list[Job] = []
         by_id = {j.inst.instance_id: j for j in todo}
-        for out in _map(ctx, todo, workers):
+        for out in _map(ctx, todo, workers, started):
             if out["result"] == BUSY:
                 busy.append(by_id[out["instance_id"]])
             else:
@@ -103,12 +118,31 @@ def _rounds(ctx: Context, jobs: Sequence[Job], workers: int) -> Iterator[dict[st
         todo = busy
 
 
-def _map(ctx: Context, jobs: Sequence[Job], workers: int) -> Iterator[dict[str, Any]]:
+def _map(
+    ctx: Context, jobs: Sequence[Job], workers: int, started: Started
+) -> Iterator[dict[str, Any]]:
+    """Each job's result as it ends; ``started`` hears each instance id as it begins."""
     if workers <= 1 or len(jobs) <= 1:
-        yield from (evaluate(ctx, j) for j in jobs)
+        for job in jobs:
+            started(job.inst.instance_id)
+            yield evaluate(ctx, job)
         return
-    with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
-        yield from pool.imap_unordered(_work, [(ctx, j) for j in jobs])
+    mp = multiprocessing.get_context("spawn")
+    queue = mp.SimpleQueue()
+    with mp.Pool(min(workers, len(jobs)), _init_worker, (queue,)) as pool:
+        results = pool.imap_unordered(_work, [(ctx, j) for j in jobs])
+        for _ in jobs:
+            while True:
+                while not queue.empty():
+                    started(queue.get())
+                try:
+                    out: dict[str, Any] = results.next(timeout=0.2)
+                except multiprocessing.TimeoutError:
+                    continue
+                break
+            while not queue.empty():  # its start is shown before its result
+                started(queue.get())
+            yield out
 
 
 class _Silent(Lines):
@@ -132,7 +166,7 @@ def run_batch(
     show: Display = _Silent() if say is None else display(say)
     show.start(len(jobs))
     try:
-        for out in _rounds(ctx, jobs, req.max_workers):
+        for out in _rounds(ctx, jobs, req.max_workers, lambda iid: show.running(iid, counts)):
             results[out["instance_id"]] = out["result"]
             counts["done"] += 1
             counts["resolved"] += out["result"] == "resolved"

@@ -1,7 +1,7 @@
 """Progress of a SWE-bench batch: a rich progress bar on a terminal, else plain lines.
 
-Counts shown: done of total, resolved, errors; an error is never shown as a success
-(the harness's bar once counted failures as done-and-fine).
+Counts shown: done of total, resolved, errors, and the instances in flight; an error is
+never shown as a success (the harness's bar once counted failures as done-and-fine).
 """
 
 from __future__ import annotations
@@ -13,18 +13,26 @@ from typing import Any, Protocol
 
 class Display(Protocol):
     def start(self, total: int) -> None: ...
+    def running(self, iid: str, counts: dict[str, int]) -> None: ...
     def update(self, out: dict[str, Any], counts: dict[str, int]) -> None: ...
     def stop(self) -> None: ...
 
 
 class Lines:
-    """One line per finished instance, through ``say`` (stderr with a timestamp)."""
+    """One line per instance started and per instance finished, through ``say`` (stderr
+    with a timestamp)."""
 
     def __init__(self, say: Callable[[str], None]) -> None:
         self.say, self.total = say, 0
 
     def start(self, total: int) -> None:
         self.total = total
+
+    def running(self, iid: str, counts: dict[str, int]) -> None:
+        self.say(
+            f"[{counts['done']}/{self.total}] running {iid} "
+            f"(resolved {counts['resolved']}, errors {counts['errors']})"
+        )
 
     def update(self, out: dict[str, Any], counts: dict[str, int]) -> None:
         why = f" - {out['reason']}" if out.get("reason") else ""
@@ -38,7 +46,8 @@ class Lines:
 
 
 class Bar:
-    """A rich progress bar on stderr, with the counts and the last instance finished."""
+    """A rich progress bar on stderr, with the counts, the instances in flight and the last
+    one finished."""
 
     def __init__(self) -> None:
         from rich.console import Console
@@ -49,16 +58,27 @@ class Bar:
             TextColumn("{task.fields[counts]}"), console=Console(stderr=True),
         )  # fmt: skip
         self.task = self.progress.add_task("swebench", total=None, counts="")
+        self.in_flight: list[str] = []
+        self.last = ""
 
     def start(self, total: int) -> None:
         self.progress.update(self.task, total=total)
         self.progress.start()
 
+    def running(self, iid: str, counts: dict[str, int]) -> None:
+        if iid not in self.in_flight:
+            self.in_flight.append(iid)
+        self._show(counts)
+
     def update(self, out: dict[str, Any], counts: dict[str, int]) -> None:
-        text = (
-            f"resolved {counts['resolved']}  errors {counts['errors']}  "
-            f"last {out['instance_id']}: {out['result']}"
-        )
+        if out["instance_id"] in self.in_flight:
+            self.in_flight.remove(out["instance_id"])
+        self.last = f"  last {out['instance_id']}: {out['result']}"
+        self._show(counts)
+
+    def _show(self, counts: dict[str, int]) -> None:
+        now = f"  running {', '.join(self.in_flight)}" if self.in_flight else ""
+        text = f"resolved {counts['resolved']}  errors {counts['errors']}{now}{self.last}"
         self.progress.update(self.task, completed=counts["done"], counts=text)
 
     def stop(self) -> None:

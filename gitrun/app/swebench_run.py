@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from gitrun.core.swebench import Instance, Prediction, RepoSpec
 from gitrun.store.atomicfile import atomic_write
 
 RESOLVED, UNRESOLVED, EMPTY, ERROR, BUSY = "resolved", "unresolved", "empty_patch", "error", "busy"
+OUTPUT_LOG = "test-output.log"  # the verifier's bounded copy of the test command's output
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,8 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
         "prediction.diff": applied.diff,
     } | ({"test.diff": test_diff} if test_diff else {})
     task_dir = _write_task(opts.workspace, rid, files)
+    kept = task_dir / OUTPUT_LOG  # in the workspace: out of the tested code's reach
+    opts = replace(opts, output_log=kept)
     state = service.start(task_dir, opts, repo_path=repo_dir, agent_spec="plan", run_id=rid)
     if state.phase not in (DONE, FAILED) or state.verifier is None:
         raise GitrunError(f"run {rid} ended {state.phase} ({state.stop_reason}) without a verdict")
@@ -184,7 +187,8 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
     resolved = bool(report[inst.instance_id]["resolved"])
     return {"result": RESOLVED if resolved else UNRESOLVED, "applied": True, "stage": applied.stage,
             "outcomes": state.verifier.outcomes, "gitrun_run_id": rid, "digests": parts,
-            "summary": state.verifier.summary, "isolation": state.verifier.isolation}  # fmt: skip
+            "summary": state.verifier.summary, "isolation": state.verifier.isolation,
+            "output_log": str(kept)}  # fmt: skip
 
 
 def _write_reports(ctx: Context, job: Job, out: dict[str, Any]) -> None:
@@ -193,16 +197,30 @@ def _write_reports(ctx: Context, job: Job, out: dict[str, Any]) -> None:
     atomic_write(
         where / "report.json", (json.dumps(report, indent=4) + "\n").encode(), parent_mode=0o755
     )
+    atomic_write(where / "test_output.txt", _test_output(out), parent_mode=0o755)
+    meta = {k: v for k, v in out.items() if k not in ("outcomes", "output_log")}
+    atomic_write(
+        where / "gitrun.json",
+        (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
+        parent_mode=0o755,
+    )
+
+
+def _test_output(out: dict[str, Any]) -> bytes:
+    """What the test command printed (as the verifier kept it), then gitrun's verdict."""
+    kept = Path(out["output_log"]) if out.get("output_log") else None
+    if kept is not None and kept.is_file():
+        printed = kept.read_bytes()
+        head = printed + (b"" if printed.endswith(b"\n") or not printed else b"\n")
+    elif kept is not None:
+        head = b"[gitrun: the test command's output was not kept for this run]\n"
+    else:
+        head = b""  # the tests never ran (refused, not applied, or an error before)
     lines = [
         f"{k}: {out[k]}"
         for k in ("result", "stage", "reason", "summary", "gitrun_run_id")
         if out.get(k)
     ]
     lines += [f"{t} {o}" for t, o in sorted((out.get("outcomes") or {}).items())]
-    atomic_write(where / "test_output.txt", ("\n".join(lines) + "\n").encode(), parent_mode=0o755)
-    meta = {k: v for k, v in out.items() if k != "outcomes"}
-    atomic_write(
-        where / "gitrun.json",
-        (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
-        parent_mode=0o755,
-    )
+    sep = b"\n--- gitrun verdict ---\n" if head else b""
+    return head + sep + ("\n".join(lines) + "\n").encode()

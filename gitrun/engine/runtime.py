@@ -65,6 +65,7 @@ class Runtime:
     isolation: str | None = None  # the command line's --isolation; None: the task's
     secrets: Secrets = field(default_factory=Secrets)  # hidden from the code under test
     abandoned: GateRejected | None = None  # why the last pending action was dropped (sessions)
+    output_log: Path | None = None  # where the verifier keeps the test command's output
 
     def __post_init__(self) -> None:
         self._segment_start = time.time()
@@ -300,6 +301,7 @@ class Runtime:
             progress=_every(5.0, self.say),
             # several heartbeats per lease, so even a 1 s lease is renewed before it expires
             heartbeat_interval=min(1.0, self.lease.duration / 4),
+            keep_log=self.output_log,
         )
 
     def _confinement(self) -> Confinement:
@@ -401,6 +403,7 @@ def begin(
     approvals: Approvals,
     isolation: str | None = None,
     secrets: Secrets | None = None,
+    output_log: Path | None = None,
 ) -> Runtime:
     """Observe a fresh worktree, write checkpoint generation 1, and return the runtime."""
     from gitrun.store.checkpoint import checkpoint_ref
@@ -424,5 +427,5 @@ def begin(
     # The first checkpoint's events are in the chain: the next one starts a new batch.
     return Runtime(
         task, env, store, ref, lease, agent, replace(state, events=()), oid, say, approvals,
-        isolation, secrets or Secrets(),
+        isolation, secrets or Secrets(), output_log=output_log,
     )  # fmt: skip

@@ -15,7 +15,8 @@ the worktree, so nothing git does not show can change the verdict. The child run
 without a shell, under :mod:`gitrun.adapter.sandbox`'s supervisor (its whole process tree dies
 with gitrun) and, where the isolation setting gives one, inside bubblewrap; it gets no
 ``GITRUN_*`` variable, its output goes to a file outside the tree it tests, and bytecode
-writing is disabled.
+writing is disabled. A caller that wants the command's whole output (bounded, e.g. for a
+SWE-bench ``test_output.txt``) names a ``keep_log`` file, written once the child is gone.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ from gitrun.core.junit import SKIPPED as SKIPPED  # noqa: PLC0414 - re-export, l
 from gitrun.core.verifier_spec import VerifierResult as VerifierResult  # noqa: PLC0414 - re-export
 from gitrun.core.verifier_spec import VerifierSpec as VerifierSpec  # noqa: PLC0414 - re-export
 from gitrun.core.verifier_spec import positive_number
+from gitrun.store.atomicfile import atomic_write
 
 _SCRUBBED_PREFIX = "GITRUN_"  # no variable of gitrun's (home, key file, fault injection)
 _POLL_SECONDS = 0.05
 _TAIL_LINES = 40
 _TAIL_BYTES = 16 * 1024
 _LISTED_IDS = 3
+KEPT_LOG_BYTES = 1024 * 1024  # the most of a command's output ``keep_log`` keeps (its end)
 
 
 @dataclass(frozen=True)
@@ -133,13 +136,15 @@ def run_verifier(
     heartbeat_interval: float = 1.0,
     confinement: Confinement = UNCONFINED,
     secrets: Secrets | None = None,
+    keep_log: Path | None = None,
 ) -> VerifierResult:
     """Run ``spec.command`` in ``workdir`` and judge the required tests.
 
     ``heartbeat`` is called every ``heartbeat_interval`` seconds (the runtime renews its
     lease there); if it raises, the child's process tree is killed and the error
     propagates. A command that cannot start raises :class:`CommandCannotStart`; a
-    sandbox bubblewrap cannot build raises :class:`SandboxFailed`.
+    sandbox bubblewrap cannot build raises :class:`SandboxFailed`. With ``keep_log``, the
+    command's output (stdout and stderr, its last :data:`KEPT_LOG_BYTES`) is copied there.
     """
     if not workdir.is_dir():
         raise BadInput(f"verifier workdir {workdir} is not a directory")
@@ -152,6 +157,8 @@ def run_verifier(
         out = Path(tmp).resolve()
         report = out / "junit.xml"
         run, tail = _run_command(spec, workdir, out, ticker, confinement, hide)
+        if keep_log is not None:
+            _keep(out / "output.log", keep_log)
         _refuse_unstarted(spec, run, confinement, tail)
         outcomes, summary = _verdict(spec, run, report)
         if spec.junit and not report.exists() and tail.strip():
@@ -266,6 +273,18 @@ def _tail(log: IO[bytes]) -> str:
     log.seek(max(0, size - _TAIL_BYTES))
     lines = log.read().decode("utf-8", "replace").splitlines()
     return "\n".join(lines[-_TAIL_LINES:])
+
+
+def _keep(log: Path, target: Path) -> None:
+    """Copy the end of ``log`` to ``target`` atomically, saying so when its start is cut."""
+    with log.open("rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        fh.seek(max(0, size - KEPT_LOG_BYTES))
+        data = fh.read()
+    if size > len(data):
+        cut = size - len(data)
+        data = f"[gitrun: output truncated: the first {cut} bytes are not kept]\n".encode() + data
+    atomic_write(target, data, parent_mode=0o755)
 
 
 def _verdict(spec: VerifierSpec, run: _Run, report: Path) -> tuple[dict[str, str], str]:
