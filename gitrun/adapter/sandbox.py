@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.isolation import NONE, REQUIRED, check_setting
@@ -364,20 +364,29 @@ def spawn(
     without one (the verifier's single log). bwrap's and the supervisor's own complaints
     land where the command's stderr does.
     """
-    alive_r, alive_w = os.pipe()
-    status_r, status_w = os.pipe()
-    inner = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), "--"]
-    full = [*inner, *argv]
+    wrap: list[str] = []
     if confinement.confined:
         if confinement.bwrap is None or layout is None:
             raise GitrunError("a bwrap confinement needs the bwrap path and a layout")
-        full = [confinement.bwrap, *layout.bwrap_args(confinement), "--", *full]
+        wrap = [confinement.bwrap, *layout.bwrap_args(confinement), "--"]
+    return supervise(
+        argv, wrap, confined=confinement.confined, cwd=cwd, stdin=subprocess.DEVNULL,
+        stdout=log, stderr=subprocess.STDOUT if err is None else err, env=env,
+    )  # fmt: skip
+
+
+def supervise(
+    argv: Sequence[str], wrap: Sequence[str] = (), *, confined: bool, **popen: Any
+) -> Supervised:
+    """Start ``argv`` under the supervisor (inside ``wrap``, e.g. bwrap's own argv), in
+    its own session; it dies with us through the alive pipe only we hold the write end of.
+    The verifier, exec steps and external agents all start their children here."""
+    alive_r, alive_w = os.pipe()
+    status_r, status_w = os.pipe()
+    inner = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), "--"]
+    full = [*wrap, *inner, *argv]
     try:
-        proc = subprocess.Popen(
-            full, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT if err is None else err, env=env,
-            start_new_session=True, pass_fds=(alive_r, status_w),
-        )  # fmt: skip
+        proc = subprocess.Popen(full, start_new_session=True, pass_fds=(alive_r, status_w), **popen)
     except OSError as exc:
         for fd in (alive_w, status_r):
             os.close(fd)
@@ -386,4 +395,4 @@ def spawn(
         for fd in (alive_r, status_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-    return Supervised(proc, alive_w, status_r, confinement.confined)
+    return Supervised(proc, alive_w, status_r, confined)

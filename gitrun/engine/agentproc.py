@@ -14,10 +14,9 @@ import contextlib
 import os
 import shlex
 import subprocess
-import sys
 from collections.abc import Callable
 
-from gitrun.adapter.sandbox import SUPERVISOR, Supervised
+from gitrun.adapter.sandbox import Supervised, supervise
 from gitrun.core.errors import AgentGone, GitrunError
 from gitrun.core.records import RunState
 from gitrun.engine.jsonrpc import Transport
@@ -33,23 +32,9 @@ def agent_env() -> dict[str, str]:
 def spawn(command: str) -> Supervised:
     """Start the agent command under the supervisor, its stdin and stdout piped to us."""
     argv = shlex.split(command)
-    alive_r, alive_w = os.pipe()
-    status_r, status_w = os.pipe()
-    full = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), "--", *argv]
-    try:
-        proc = subprocess.Popen(
-            full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=agent_env(),
-            start_new_session=True, pass_fds=(alive_r, status_w),
-        )  # fmt: skip
-    except OSError as exc:
-        for fd in (alive_w, status_r):
-            os.close(fd)
-        raise GitrunError(f"cannot start the agent supervisor: {exc}") from exc
-    finally:
-        for fd in (alive_r, status_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-    return Supervised(proc, alive_w, status_r, confined=False)
+    return supervise(
+        argv, confined=False, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=agent_env()
+    )
 
 
 def serve_child(command: str, serve: Callable[[Transport], RunState]) -> RunState:
