@@ -14,17 +14,14 @@ from gitrun.core.codec import digest
 from gitrun.core.machine import Grant
 from gitrun.core.records import (
     ADAPTER_VERSION,
-    RUNNING,
-    SCHEMA_VERSION,
     Action,
-    Budgets,
     EnvState,
     Pending,
     Precondition,
     Receipt,
-    ReceiptLog,
     RunState,
     Scope,
+    first_state,
 )
 
 INSTANCE = "inst-1"
@@ -41,37 +38,17 @@ BASE, BASE_TREE = oid(1), oid(2)
 
 def initial_state() -> RunState:
     """Generation 1 of a run on a clean base commit, as ``runtime.begin`` writes it."""
-    return RunState(
-        schema=SCHEMA_VERSION,
+    return first_state(
         run_id="r-1",
-        task_id="t-1",
-        task_version="1",
-        policy_id="p-1",
-        policy_version="1",
-        scenario_fingerprint="sha256:scenario",
-        scenario_parts={},
+        task=("t-1", "1"),
+        policy=("p-1", "1"),
+        scenario=("sha256:scenario", {}),
         agent="script",
         identity="w-1",
-        generation=1,
-        phase=RUNNING,
-        stop_reason=None,
-        cursor=0,
-        budgets=Budgets(),
         scope=Scope(("write_file", "delete_file"), ("**",), (), "1"),
         env=EnvState(INSTANCE, "/wt", BRANCH, BASE, BASE, BASE_TREE, CLEAN, BASE, 0),
         lease_version=1,
-        pending=None,
-        receipts=ReceiptLog(),
-        quarantined_keys=(),
-        used_nonces=(),
-        review=None,
-        sealed=(),
-        verifier=None,
-        events=(),
-        trace_count=0,
-        trace_chain="",
-        started_at=0.0,
-        updated_at=0.0,
+        at=0.0,
     )
 
 

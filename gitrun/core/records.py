@@ -342,3 +342,29 @@ class RunState:
             trace_count=self.trace_count + len(events),
             trace_chain=chain,
         )
+
+
+def first_state(
+    *,
+    run_id: str,
+    task: tuple[str, str],
+    policy: tuple[str, str],
+    scenario: tuple[str, dict[str, str]],
+    agent: str,
+    identity: str,
+    scope: Scope,
+    env: EnvState,
+    lease_version: int,
+    at: float,
+) -> RunState:
+    """Generation 1 of a run: running at cursor 0, nothing pending, no receipt, no trace
+    yet. ``task`` and ``policy`` are (id, version); ``scenario`` is (fingerprint, parts)."""
+    return RunState(
+        schema=SCHEMA_VERSION, run_id=run_id, task_id=task[0], task_version=task[1],
+        policy_id=policy[0], policy_version=policy[1], scenario_fingerprint=scenario[0],
+        scenario_parts=dict(scenario[1]), agent=agent, identity=identity, generation=1,
+        phase=RUNNING, stop_reason=None, cursor=0, budgets=Budgets(), scope=scope, env=env,
+        lease_version=lease_version, pending=None, receipts=ReceiptLog(), quarantined_keys=(),
+        used_nonces=(), review=None, sealed=(), verifier=None, events=(), trace_count=0,
+        trace_chain="", started_at=at, updated_at=at,
+    )  # fmt: skip

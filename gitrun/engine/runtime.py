@@ -31,7 +31,6 @@ from gitrun.core.records import (
     EXEC,
     NEEDS_REVIEW,
     RUNNING,
-    Budgets,
     EnvState,
     Event,
     Precondition,
@@ -349,42 +348,22 @@ def initial_state(
     lease_version: int,
     scenario_parts: dict[str, str],
 ) -> RunState:
-    from gitrun.core.records import SCHEMA_VERSION, ReceiptLog, Scope
+    from gitrun.core.records import Scope, first_state
     from gitrun.core.task import scenario_fingerprint
 
     now = time.time()
     p = task.policy
-    state = RunState(
-        schema=SCHEMA_VERSION,
+    state = first_state(
         run_id=run_id,
-        task_id=task.id,
-        task_version=task.version,
-        policy_id=p.id,
-        policy_version=p.version,
-        scenario_fingerprint=scenario_fingerprint(scenario_parts),
-        scenario_parts=scenario_parts,
+        task=(task.id, task.version),
+        policy=(p.id, p.version),
+        scenario=(scenario_fingerprint(scenario_parts), scenario_parts),
         agent=agent,
         identity=worker,
-        generation=1,
-        phase=RUNNING,
-        stop_reason=None,
-        cursor=0,
-        budgets=Budgets(),
         scope=Scope(p.allowed_actions, p.write_allowlist, p.forbidden_paths, p.version),
         env=env_state,
         lease_version=lease_version,
-        pending=None,
-        receipts=ReceiptLog(),
-        quarantined_keys=(),
-        used_nonces=(),
-        review=None,
-        sealed=(),
-        verifier=None,
-        events=(),
-        trace_count=0,
-        trace_chain="",
-        started_at=now,
-        updated_at=now,
+        at=now,
     )
     return state.with_events(Event("started", now, {"worker": worker, "agent": agent}))
 

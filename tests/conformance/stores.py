@@ -30,13 +30,10 @@ from memory_stores import (
 
 from gitrun.core.contracts import CheckpointLog, LeaseStore, ReceiptStore
 from gitrun.core.records import (
-    RUNNING,
-    SCHEMA_VERSION,
-    Budgets,
     EnvState,
-    ReceiptLog,
     RunState,
     Scope,
+    first_state,
 )
 from gitrun.core.task import scenario_fingerprint
 from gitrun.store import gitstore
@@ -56,38 +53,19 @@ def sample_state(generation: int = 1, **changes: Any) -> RunState:
     """A valid run state of generation ``generation`` (no git needed to make one)."""
     now = time.time()
     head = "0" * 40
-    state = RunState(
-        schema=SCHEMA_VERSION,
+    state = first_state(
         run_id=RUN,
-        task_id=TASK,
-        task_version="1",
-        policy_id="p",
-        policy_version="1",
-        scenario_fingerprint=scenario_fingerprint(PARTS),
-        scenario_parts=dict(PARTS),
+        task=(TASK, "1"),
+        policy=("p", "1"),
+        scenario=(scenario_fingerprint(PARTS), PARTS),
         agent="script",
         identity="w1",
-        generation=generation,
-        phase=RUNNING,
-        stop_reason=None,
-        cursor=generation - 1,
-        budgets=Budgets(),
         scope=Scope(("write_file",), ("src/",), (), "1"),
         env=EnvState(INSTANCE, "/wt", branch_ref(RUN), head, head, head, "d", head, 0),
         lease_version=1,
-        pending=None,
-        receipts=ReceiptLog(),
-        quarantined_keys=(),
-        used_nonces=(),
-        review=None,
-        sealed=(),
-        verifier=None,
-        events=(),
-        trace_count=0,
-        trace_chain="",
-        started_at=now,
-        updated_at=now,
+        at=now,
     )
+    state = replace(state, generation=generation, cursor=generation - 1)
     return replace(state, **changes)
 
 
