@@ -98,6 +98,9 @@ class Environment(WorktreeFiles):
                 repo, branch, None, base, message="gitrun: run branch", what="branch"
             )
             worktree.parent.mkdir(parents=True, exist_ok=True)
+            # libgit2 creates <common dir>/worktrees without exist_ok: two first runs of one
+            # repository at once race on it (AlreadyExistsError). Make it first.
+            (gitstore.common_dir(repo) / "worktrees").mkdir(exist_ok=True)
             repo.add_worktree(f"gitrun-{run_id}", str(worktree), repo.references[branch])
             faults.point("setup_worktree_added")
             env = cls(repo, run_id, worktree, task_label)
