@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import pygit2
 
 from gitrun.adapter import safefs
-from gitrun.adapter.gate import GitTree
 from gitrun.adapter.worktree import INDEX_BASE_FILE, WorktreeFiles
 from gitrun.core import faults, trailer
 from gitrun.core.codec import digest
@@ -39,7 +38,6 @@ from gitrun.core.errors import (
     ReceiptConflict,
     Refused,
 )
-from gitrun.core.patch_plan import plan_patch
 from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
 from gitrun.store import gitstore, trees
 from gitrun.store.atomicfile import atomic_write
@@ -362,7 +360,11 @@ class Environment(WorktreeFiles):
         self, text: bytes, tree: pygit2.Tree, blob: Callable[[bytes], pygit2.Oid]
     ) -> dict[str, trees.Change]:
         """The patch's changes as blobs: parsed and applied once per (tree, patch) for the
-        whole step (:func:`gitrun.core.patch_plan.plan_patch`; the gate planned it first)."""
+        whole step (:func:`gitrun.core.patch_plan.plan_patch`; the gate planned it first).
+        Imported here: ``gitrun status`` loads this module and needs neither (issue #15)."""
+        from gitrun.adapter.gate import GitTree
+        from gitrun.core.patch_plan import plan_patch
+
         plan = plan_patch(text, GitTree(tree))
         return {p: None if c is None else (blob(c[0]), c[1]) for p, c in plan.changes.items()}
 
