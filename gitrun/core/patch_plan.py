@@ -19,7 +19,17 @@ from typing import Protocol
 from gitrun.core.errors import GateRejected
 from gitrun.core.patch import FilePatch, apply_file_patch, parse_patch
 
-__all__ = ["BLOB", "EXECUTABLE", "LINK", "TREE", "PatchPlan", "TreeView", "parsed", "plan_patch"]
+__all__ = [
+    "BLOB",
+    "EXECUTABLE",
+    "LINK",
+    "TREE",
+    "PatchPlan",
+    "TreeView",
+    "forget",
+    "parsed",
+    "plan_patch",
+]
 
 BLOB = 0o100644
 EXECUTABLE = 0o100755
@@ -83,6 +93,13 @@ def plan_patch(patch: bytes, tree: TreeView) -> PatchPlan:
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[key] = plan
     return plan
+
+
+def forget() -> None:
+    """Drop every memoised parse and plan (a test that counts them starts from none)."""
+    parsed.cache_clear()
+    with _LOCK:
+        _PLANS.clear()
 
 
 def _apply(files: tuple[FilePatch, ...], tree: TreeView) -> dict[str, FileChange]:
