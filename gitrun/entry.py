@@ -9,14 +9,16 @@ codes (``tests/test_startup.py`` holds them to it).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gitrun.app.status import LeaseStatus, RunStatus, UnreadableLease
 
 # The top-level help, as Typer renders it (rich's boxes, without colour). Kept beside
 # the Typer app's own texts by tests/test_startup.py.
@@ -86,38 +88,38 @@ def help_text() -> str:
     return "\n".join(lines) + "\n\n"
 
 
-def status_text(info: dict[str, Any], as_json: bool) -> str:
+def status_text(info: RunStatus, as_json: bool) -> str:
     """What ``gitrun status`` prints for :func:`gitrun.app.service.status`'s answer."""
     if as_json:
-        return json.dumps(info, indent=2, sort_keys=True)
-    lease = info.get("lease")
-    pending = info["pending"]
+        return info.to_json()
+    pending = info.pending
     lines = [
-        f"run        {info['run_id']}  (task {info['task_id']})",
-        f"phase      {info['phase']}"
-        + (f"  ({info['stop_reason']})" if info.get("stop_reason") else ""),
-        f"repo       {info['repo']}",
-        f"worktree   {info['worktree']}  branch {info['branch']}",
-        f"head       {info['head']}",
-        f"pending    {pending['action'] + ' key ' + pending['key'] if pending else '-'}",
-        f"receipts   {len(info['receipts'])}",
-        f"verifier   {info['verifier']['summary'] if info['verifier'] else '-'}",
-        f"isolation  {info.get('isolation') or '-'}",
-        f"lease      {_lease_line(lease)}",
+        f"run        {info.run_id}  (task {info.task_id})",
+        f"phase      {info.phase}" + (f"  ({info.stop_reason})" if info.stop_reason else ""),
+        f"repo       {info.repo}",
+        f"worktree   {info.worktree}  branch {info.branch}",
+        f"head       {info.head}",
+        f"pending    {pending.action + ' key ' + pending.key if pending else '-'}",
+        f"receipts   {len(info.receipts)}",
+        f"verifier   {info.verifier.summary if info.verifier else '-'}",
+        f"isolation  {info.isolation or '-'}",
+        f"lease      {_lease_line(info.lease)}",
     ]
-    if info.get("checkpoint_error"):
-        lines.append(f"checkpoint {info['checkpoint_error']}")
+    if info.checkpoint_error:
+        lines.append(f"checkpoint {info.checkpoint_error}")
     return "\n".join(lines)
 
 
-def _lease_line(lease: dict[str, Any] | None) -> str:
-    if not lease:
+def _lease_line(lease: LeaseStatus | UnreadableLease | None) -> str:
+    from gitrun.app.status import UnreadableLease  # loaded already: status() made ``lease``
+
+    if lease is None:
         return "-"
-    if "unreadable" in lease:
-        return f"unreadable: {lease['unreadable']}"
-    state = "live" if lease["live"] else "expired"
-    until = time.strftime("%H:%M:%S", time.localtime(lease["expires_at"]))
-    return f"{lease['owner_worker']} v{lease['lease_version']} {state} until {until}"
+    if isinstance(lease, UnreadableLease):
+        return f"unreadable: {lease.reason}"
+    state = "live" if lease.live else "expired"
+    until = time.strftime("%H:%M:%S", time.localtime(lease.lease.expires_at))
+    return f"{lease.lease.owner_worker} v{lease.lease.lease_version} {state} until {until}"
 
 
 def parse_status(args: list[str]) -> dict[str, Any] | None:

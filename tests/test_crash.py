@@ -274,13 +274,13 @@ def run_invariants(
         info = service.status(run_id, service.Options(Workspace(cli.home, cli.home / KEYRING)))
     except GitrunError as exc:
         return [*problems, f"gitrun status: {exc}"]
-    pending = info["pending"]["key"] if info["pending"] else None
-    if info["phase"] != baseline.phase or (pending is not None) != baseline.pending:
+    pending = info.pending.key if info.pending else None
+    if info.phase != baseline.phase or (pending is not None) != baseline.pending:
         problems.append(
-            f"status is {info['phase']} with pending {pending}, the uninterrupted "
+            f"status is {info.phase} with pending {pending}, the uninterrupted "
             f"run ended {baseline.phase}"
         )
-    receipt_keys = [r["key"] for r in info["receipts"]]
+    receipt_keys = [r.key for r in info.receipts]
     if receipt_keys != list(reversed(keys)):
         problems.append(f"gitrun receipts {receipt_keys} differ from the history {keys}")
     lost = sorted(set(announced) - {*keys, pending})

@@ -38,7 +38,6 @@ from gitrun.core.errors import (
     ReceiptConflict,
     Refused,
 )
-from gitrun.core.patch import apply_file_patch, parse_patch
 from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
 from gitrun.store import gitstore, trees
 from gitrun.store.atomicfile import atomic_write
@@ -360,19 +359,14 @@ class Environment(WorktreeFiles):
     def _patch_changes(
         self, text: bytes, tree: pygit2.Tree, blob: Callable[[bytes], pygit2.Oid]
     ) -> dict[str, trees.Change]:
-        changes: dict[str, trees.Change] = {}
-        for fp in parse_patch(text):
-            if fp.old_path and trees.entry_mode(tree, fp.old_path) == trees.TREE:
-                raise GateRejected("path-is-directory", f"{fp.old_path} is a directory")
-            old = trees.blob_bytes(self.repo, tree, fp.old_path) if fp.old_path else None
-            new = apply_file_patch(old, fp)
-            if fp.old_path and fp.old_path != fp.new_path:
-                changes[fp.old_path] = None
-            if fp.new_path is not None and new is not None:
-                old_mode = trees.entry_mode(tree, fp.old_path) if fp.old_path else None
-                mode = fp.new_mode or old_mode or trees.BLOB
-                changes[fp.new_path] = (blob(new), mode)
-        return changes
+        """The patch's changes as blobs: parsed and applied once per (tree, patch) for the
+        whole step (:func:`gitrun.core.patch_plan.plan_patch`; the gate planned it first).
+        Imported here: ``gitrun status`` loads this module and needs neither (issue #15)."""
+        from gitrun.adapter.gate import GitTree
+        from gitrun.core.patch_plan import plan_patch
+
+        plan = plan_patch(text, GitTree(tree))
+        return {p: None if c is None else (blob(c[0]), c[1]) for p, c in plan.changes.items()}
 
     def _check_clean(self, tree: pygit2.Tree, changes: dict[str, trees.Change]) -> None:
         """Refuse, before any file is written, a write whose paths are not exactly

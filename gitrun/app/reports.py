@@ -1,5 +1,5 @@
-"""Read-only and evidence use cases behind the CLI: status, receipts, checkpoints, verify,
-rewitness, approve and review.
+"""Read-only and evidence use cases behind the CLI: status (:mod:`gitrun.app.status`),
+receipts, checkpoints, verify, rewitness, approve and review.
 
 None of them drives a run. ``gitrun status`` (hooks call it once per agent tool call,
 issue #15) imports this module on its fast path, so whatever only approving or reviewing
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import pygit2
 
-from gitrun.app.opening import Opened, Options, load_verified, open_run, the_ref
+from gitrun.app.opening import Options, load_verified, open_run, the_ref
+from gitrun.app.status import status as status  # noqa: PLC0414 - re-export
 from gitrun.core.codec import encode
-from gitrun.core.errors import BadInput, CheckpointRejected, LeaseUnreadable
+from gitrun.core.errors import BadInput, CheckpointRejected
 from gitrun.core.records import AWAITING_APPROVAL, RunState
 from gitrun.store.checkpoint import Stored
-from gitrun.store.lease import read_lease
 
 if TYPE_CHECKING:
     from gitrun.store.evidence import Signed
@@ -36,85 +36,6 @@ __all__ = [
     "status",
     "verify",
 ]
-
-
-def status(run_id: str, opts: Options) -> dict[str, Any]:
-    """Everything a user needs to know about a run, from the verified checkpoint."""
-    opened = open_run(run_id, opts)
-    rec = opened.record
-    out: dict[str, Any] = {
-        "run_id": rec.run_id,
-        "repo": rec.repo,
-        "worktree": rec.worktree,
-        "branch": rec.branch.removeprefix("refs/heads/"),
-        "task_dir": rec.task_dir,
-        "workspace": str(opts.workspace.root),
-        "key_file": str(opts.workspace.key_file),
-        "lease": _lease_info(opened),
-    }
-    try:
-        ref, stored = load_verified(opened, check_scenario=False)
-    except CheckpointRejected as exc:
-        return {**out, **_unverified_info(opened, exc)}
-    return {**out, **_checkpoint_info(opened, ref, stored)}
-
-
-def _unverified_info(opened: Opened, exc: CheckpointRejected) -> dict[str, Any]:
-    """Status fields when the checkpoint does not verify: the phase is unknown, and why."""
-    return {
-        "task_id": opened.task.id,
-        "phase": "unknown",
-        "stop_reason": None,
-        "checkpoint_error": str(exc),
-        "head": None,
-        "pending": None,
-        "receipts": [],
-        "verifier": None,
-        "isolation": None,
-    }
-
-
-def _checkpoint_info(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]:
-    """Status fields from the verified checkpoint (and the receipts on the run's branch)."""
-    s = stored.state
-    return {
-        "task_id": s.task_id,
-        "phase": s.phase,
-        "stop_reason": s.stop_reason,
-        "generation": s.generation,
-        "checkpoint_ref": ref,
-        "checkpoint": str(stored.oid),
-        "head": s.env.head,
-        "instance_id": s.env.instance_id,
-        "pending": _pending_info(s),
-        "receipts": [encode(r) for r in opened.env.receipts()],
-        "verifier": None if s.verifier is None else encode(s.verifier),
-        "isolation": None if s.verifier is None else s.verifier.isolation,
-        "budgets": encode(s.budgets),
-        "review": None if s.review is None else encode(s.review),
-    }
-
-
-def _pending_info(s: RunState) -> dict[str, Any] | None:
-    """The pending action as status shows it: its key, summary, digest, risk, approval."""
-    if s.pending is None:
-        return None
-    return {
-        "key": s.pending.key,
-        "action": s.pending.action.summary(),
-        "intent_digest": s.pending.intent_digest,
-        "risk": s.pending.risk,
-        "approval": s.pending.approval,
-    }
-
-
-def _lease_info(opened: Opened) -> dict[str, Any] | None:
-    """The lease as status shows it; a ref rewritten to garbage is shown, not fatal."""
-    try:
-        lease, _ = read_lease(opened.repo, opened.record.run_id)
-    except LeaseUnreadable as exc:
-        return {"unreadable": str(exc), "oid": exc.oid}
-    return None if lease is None else {**encode(lease), "live": lease.expires_at > time.time()}
 
 
 def receipts(run_id: str, opts: Options) -> list[dict[str, Any]]:

@@ -1,0 +1,214 @@
+"""``gitrun status``: a run as its verified checkpoint, its branch and its lease show it.
+
+:func:`status` returns a :class:`RunStatus` (frozen records); :meth:`RunStatus.to_json`
+is what ``gitrun status --json`` prints, and :meth:`RunStatus.as_dict` its JSON value.
+Two shapes: a checkpoint that verifies (:class:`CheckpointStatus`), or one that does not
+(phase ``unknown`` and ``checkpoint_error``). Hooks call this once per agent tool call
+(issue #15): it imports nothing :mod:`gitrun.app.reports` does not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gitrun.app.opening import Opened, Options, load_verified, open_run
+from gitrun.core.codec import encode
+from gitrun.core.errors import CheckpointRejected, LeaseUnreadable
+from gitrun.core.records import Budgets, Receipt, ReviewCase, RunState, VerifierEvent
+from gitrun.store.checkpoint import Stored
+from gitrun.store.lease import Lease, read_lease
+
+__all__ = [
+    "CheckpointStatus",
+    "LeaseStatus",
+    "PendingStatus",
+    "RunStatus",
+    "UnreadableLease",
+    "status",
+]
+
+
+@dataclass(frozen=True)
+class LeaseStatus:
+    """The run's lease, and whether it was live when status read it."""
+
+    lease: Lease
+    live: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**encode(self.lease), "live": self.live}
+
+
+@dataclass(frozen=True)
+class UnreadableLease:
+    """A lease ref that holds no gitrun lease (rewritten by hand?): shown, not fatal."""
+
+    reason: str
+    oid: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"unreadable": self.reason, "oid": self.oid}
+
+
+@dataclass(frozen=True)
+class PendingStatus:
+    """The pending action as status shows it: its key, summary, digest, risk, approval."""
+
+    key: str
+    action: str
+    intent_digest: str
+    risk: str | None
+    approval: Any | None  # the signed approval evidence (encoded), as the checkpoint holds it
+
+    @classmethod
+    def of(cls, s: RunState) -> PendingStatus | None:
+        p = s.pending
+        if p is None:
+            return None
+        return cls(p.key, p.action.summary(), p.intent_digest, p.risk, p.approval)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "action": self.action,
+            "intent_digest": self.intent_digest,
+            "risk": self.risk,
+            "approval": self.approval,
+        }
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """What only a verified checkpoint tells: where it is and what it holds."""
+
+    generation: int
+    ref: str
+    oid: str
+    instance_id: str
+    budgets: Budgets
+    review: ReviewCase | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "checkpoint_ref": self.ref,
+            "checkpoint": self.oid,
+            "instance_id": self.instance_id,
+            "budgets": encode(self.budgets),
+            "review": None if self.review is None else encode(self.review),
+        }
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Everything a user needs to know about a run. Exactly one of ``checkpoint`` (it
+    verified) and ``checkpoint_error`` (it did not: phase ``unknown``) is set."""
+
+    run_id: str
+    repo: str
+    worktree: str
+    branch: str
+    task_dir: str
+    workspace: str
+    key_file: str
+    lease: LeaseStatus | UnreadableLease | None
+    task_id: str
+    phase: str
+    stop_reason: str | None
+    head: str | None
+    pending: PendingStatus | None
+    receipts: tuple[Receipt, ...]
+    verifier: VerifierEvent | None
+    checkpoint: CheckpointStatus | None
+    checkpoint_error: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.checkpoint is None) == (self.checkpoint_error is None):
+            raise ValueError("a run status has either a verified checkpoint or its error")
+
+    @property
+    def isolation(self) -> str | None:
+        """The isolation the last verdict ran under, or None before any verdict."""
+        return None if self.verifier is None else self.verifier.isolation
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON value ``gitrun status --json`` prints (its keys, exactly)."""
+        out: dict[str, Any] = {
+            "run_id": self.run_id,
+            "repo": self.repo,
+            "worktree": self.worktree,
+            "branch": self.branch,
+            "task_dir": self.task_dir,
+            "workspace": self.workspace,
+            "key_file": self.key_file,
+            "lease": None if self.lease is None else self.lease.as_dict(),
+            "task_id": self.task_id,
+            "phase": self.phase,
+            "stop_reason": self.stop_reason,
+            "head": self.head,
+            "pending": None if self.pending is None else self.pending.as_dict(),
+            "receipts": [encode(r) for r in self.receipts],
+            "verifier": None if self.verifier is None else encode(self.verifier),
+            "isolation": self.isolation,
+        }
+        if self.checkpoint is None:
+            return {**out, "checkpoint_error": self.checkpoint_error}
+        return {**out, **self.checkpoint.as_dict()}
+
+    def to_json(self) -> str:
+        """``gitrun status --json``: indented, keys sorted."""
+        return json.dumps(self.as_dict(), indent=2, sort_keys=True)
+
+
+def status(run_id: str, opts: Options) -> RunStatus:
+    """Everything a user needs to know about a run, from the verified checkpoint."""
+    opened = open_run(run_id, opts)
+    rec = opened.record
+    where: dict[str, Any] = {
+        "run_id": rec.run_id,
+        "repo": rec.repo,
+        "worktree": rec.worktree,
+        "branch": rec.branch.removeprefix("refs/heads/"),
+        "task_dir": rec.task_dir,
+        "workspace": str(opts.workspace.root),
+        "key_file": str(opts.workspace.key_file),
+        "lease": _lease(opened),
+    }
+    try:
+        ref, stored = load_verified(opened, check_scenario=False)
+    except CheckpointRejected as exc:
+        return RunStatus(
+            **where, task_id=opened.task.id, phase="unknown", stop_reason=None, head=None,
+            pending=None, receipts=(), verifier=None, checkpoint=None, checkpoint_error=str(exc),
+        )  # fmt: skip
+    return RunStatus(**where, **_verified(opened, ref, stored))
+
+
+def _verified(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]:
+    """The fields of a verified checkpoint (and the receipts on the run's branch)."""
+    s = stored.state
+    checkpoint = CheckpointStatus(
+        s.generation, ref, str(stored.oid), s.env.instance_id, s.budgets, s.review
+    )
+    return {
+        "task_id": s.task_id,
+        "phase": s.phase,
+        "stop_reason": s.stop_reason,
+        "head": s.env.head,
+        "pending": PendingStatus.of(s),
+        "receipts": tuple(opened.env.receipts()),
+        "verifier": s.verifier,
+        "checkpoint": checkpoint,
+    }
+
+
+def _lease(opened: Opened) -> LeaseStatus | UnreadableLease | None:
+    """The lease as status shows it; a ref rewritten to garbage is shown, not fatal."""
+    try:
+        lease, _ = read_lease(opened.repo, opened.record.run_id)
+    except LeaseUnreadable as exc:
+        return UnreadableLease(str(exc), exc.oid)
+    return None if lease is None else LeaseStatus(lease, lease.expires_at > time.time())
