@@ -71,6 +71,7 @@ def _unverified_info(opened: Opened, exc: CheckpointRejected) -> dict[str, Any]:
         "receipts": [],
         "verifier": None,
         "isolation": None,
+        "agent_isolation": None,
     }
 
 
@@ -90,6 +91,7 @@ def _checkpoint_info(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]
         "receipts": [encode(r) for r in opened.env.receipts()],
         "verifier": None if s.verifier is None else encode(s.verifier),
         "isolation": None if s.verifier is None else s.verifier.isolation,
+        "agent_isolation": s.agent_isolation,
         "budgets": encode(s.budgets),
         "review": None if s.review is None else encode(s.review),
     }
