@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SANDBOXES, Gitrun, git
+from conftest import ROOT, SANDBOXES, Gitrun, git
 
 AGENTS = Path(__file__).resolve().parent / "session_agents"
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
@@ -104,9 +104,9 @@ def test_a_bad_agent_network_setting_is_refused_before_anything_runs(gitrun: Git
 
 
 def test_without_bubblewrap_required_refuses_to_start_the_agent_and_auto_warns(
-    gitrun: Gitrun, tmp_path: Path
+    gitrun: Gitrun,
 ) -> None:
-    agent = f"cmd:{sys.executable} {Path(__file__).parent.parent / 'examples/agents/median_agent.py'}"
+    agent = f"cmd:{sys.executable} {ROOT / 'examples/agents/median_agent.py'}"
     task = str(SANDBOXES / "fix-median")
     refused = gitrun("run", task, "--agent", agent, "--run-id", "req", "--isolation", "required",
                      GITRUN_BWRAP="/nonexistent")  # fmt: skip
