@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ def _thief(
 ) -> tuple[int, dict[str, Any], str]:
     """Run the thief agent on fix-median; what it managed, and gitrun's stderr."""
     repo = gitrun.repo("fix-median")  # made by the first run; its path is known in advance
-    keyring = gitrun.home / "keys" / "checkpoint.keyring"
+    keyring = Path(env.get("GITRUN_KEY_FILE", gitrun.home / "keys" / "checkpoint.keyring"))
     argv = [
         sys.executable, str(AGENTS / "thief_agent.py"), str(keyring), str(repo / ".git"),
         str(gitrun.home / "worktrees" / run_id), str(gitrun.home), str(repo), run_id,
@@ -58,6 +59,7 @@ def test_a_confined_agent_cannot_steal_the_key_write_refs_or_see_the_worktree(
     assert str(found["plant"]).startswith("failed"), found
     assert found["home"] == 1, found  # HOME is usable: a private, writable directory
     assert found["gitrun_vars"] == []
+    assert found["interfaces"] == sorted(name for _, name in socket.if_nameindex())  # kept
     assert git(repo, "for-each-ref", "refs/gitrun/runs/thief/stolen") == ""
     assert not (repo / "planted.txt").exists()
     info = _status(gitrun, "thief")
@@ -67,10 +69,24 @@ def test_a_confined_agent_cannot_steal_the_key_write_refs_or_see_the_worktree(
 
 
 @needs_bwrap
+def test_a_key_file_beside_the_agents_working_directory_is_blanked(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    key = tmp_path / "checkpoint.keyring"  # in the directory the agent starts in
+    assert gitrun("run", str(SANDBOXES / "fix-median"), "--run-id", "warm",
+                  GITRUN_KEY_FILE=str(key)).code in (0, 1)  # fmt: skip
+    code, found, err = _thief(gitrun, "keyed", GITRUN_KEY_FILE=str(key))
+    assert code == 0, err
+    assert found["keyring"] == 0 or str(found["keyring"]).startswith("failed"), found
+    assert key.stat().st_size > 0
+
+
+@needs_bwrap
 def test_the_agent_network_can_be_cut_to_loopback(gitrun: Gitrun) -> None:
     assert gitrun("run", str(SANDBOXES / "fix-median"), "--run-id", "warm").code in (0, 1)
-    code, _, err = _thief(gitrun, "offline", GITRUN_AGENT_NETWORK="none")
+    code, found, err = _thief(gitrun, "offline", GITRUN_AGENT_NETWORK="none")
     assert code == 0, err
+    assert found["interfaces"] == ["lo"]
     assert _status(gitrun, "offline")["agent_isolation"] == {
         "kind": "bwrap",
         "network": "loopback",

@@ -9,6 +9,7 @@ argv: KEYRING COMMON_GIT_DIR WORKTREE WORKSPACE REPO_DIR RUN_ID
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -71,6 +72,7 @@ def snoop() -> dict[str, Any]:
     attempt("workspace", found, lambda: sorted(os.listdir(WORKSPACE)))
     attempt("plant", found, plant)
     attempt("home", found, write_home)
+    found["interfaces"] = sorted(name for _, name in socket.if_nameindex())
     found["gitrun_vars"] = sorted(k for k in os.environ if k.startswith("GITRUN_"))
     return found
 
