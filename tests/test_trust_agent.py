@@ -128,6 +128,7 @@ def test_without_bubblewrap_required_refuses_to_start_the_agent_and_auto_warns(
                      GITRUN_BWRAP="/nonexistent")  # fmt: skip
     assert refused.code == 5, refused.err
     assert "gitrun: agent isolation is required but bubblewrap cannot run here" in refused.err
+    assert "the agent was not started: then gitrun resume req" in refused.err
     assert "median_agent" not in refused.err  # it never started
     warned = gitrun("run", task, "--agent", agent, "--run-id", "auto", GITRUN_BWRAP="/nonexistent")
     assert warned.code == 0, warned.err

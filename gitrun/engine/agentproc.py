@@ -58,7 +58,12 @@ def agent_env() -> dict[str, str]:
 
 def confinement_for(rt: Runtime) -> Confinement:
     """The run's isolation setting applied to the agent, with the agent's network."""
-    found = sandbox.resolve(rt.isolation or rt.task.verifier.isolation, "agent")
+    try:
+        found = sandbox.resolve(rt.isolation or rt.task.verifier.isolation, "agent")
+    except sandbox.SandboxUnavailable as exc:
+        raise sandbox.SandboxUnavailable(
+            f"{exc}; the agent was not started: then gitrun resume {rt.state.run_id}"
+        ) from exc
     if network_setting() == "host":
         return replace(found, network="host")
     if not found.confined or found.network != "loopback":
