@@ -106,8 +106,8 @@ def spawn(command: str, rt: Runtime) -> Iterator[Supervised]:
         home, blank = scratch / "home", scratch / "blank"
         (home / "tmp").mkdir(parents=True)
         blank.touch(0o444)
-        cwd = Path.cwd().resolve()
-        if any(cwd.is_relative_to(d.resolve()) for d in (*dirs, *(f.parent for f in hide.files))):
+        cwd = Path.cwd().resolve()  # kept, unless hidden (a key file beside it is blanked)
+        if any(cwd.is_relative_to(d.resolve()) for d in dirs):
             cwd = home
         layout = Layout.of([home], dirs, hide.files, cwd, blank, private_tmp=False)
         if confinement.bwrap is None:

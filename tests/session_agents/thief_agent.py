@@ -72,6 +72,7 @@ def snoop() -> dict[str, Any]:
     attempt("workspace", found, lambda: sorted(os.listdir(WORKSPACE)))
     attempt("plant", found, plant)
     attempt("home", found, write_home)
+    found["cwd"] = os.getcwd()
     found["interfaces"] = sorted(name for _, name in socket.if_nameindex())
     found["gitrun_vars"] = sorted(k for k in os.environ if k.startswith("GITRUN_"))
     return found
