@@ -103,11 +103,21 @@ def status_text(info: RunStatus, as_json: bool) -> str:
         f"receipts   {len(info.receipts)}",
         f"verifier   {info.verifier.summary if info.verifier else '-'}",
         f"isolation  {info.isolation or '-'}",
+        f"agent      {_agent_line(info.agent_isolation)}",
         f"lease      {_lease_line(info.lease)}",
     ]
     if info.checkpoint_error:
         lines.append(f"checkpoint {info.checkpoint_error}")
     return "\n".join(lines)
+
+
+def _agent_line(box: dict[str, str] | None) -> str:
+    """The isolation the external agent last started under (``-``: gitrun started none)."""
+    if not box:
+        return "-"
+    if box["kind"] == "none":
+        return f"unconfined ({box.get('unconfined_because', '?')})"
+    return f"{box['kind']}, network {box['network']}"
 
 
 def _lease_line(lease: LeaseStatus | UnreadableLease | None) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -236,3 +237,41 @@ def test_the_rewind_tool_restores_an_earlier_tree_as_a_new_step(gitrun: Gitrun) 
 
     run(go)
     assert len(keys_on_branch(gitrun, "m5")) == 3
+
+
+def test_a_ping_and_list_tools_answer_while_an_exec_runs(gitrun: Gitrun, tmp_path: Path) -> None:
+    """Blocking tool work runs off the server's event loop: the client is never left
+    waiting on a ping (nor a second tool call, which waits its turn) while a command runs."""
+    task = tmp_path / "rename-api"
+    shutil.copytree(SANDBOXES / "rename-api", task)
+    toml = task / "task.toml"
+    toml.write_text(
+        toml.read_text().replace('allow = ["sed -i *"]', 'allow = ["sed -i *", "sleep *"]')
+    )
+
+    async def go() -> None:
+        async with client(gitrun, str(task), "--run-id", "m-busy") as s:
+            done: list[float] = []
+
+            async def slow() -> None:
+                result = body(
+                    await call(s, "exec", command="sleep 2", idempotency_key="busy-exec-1")
+                )
+                assert result["exit_code"] == 0, result
+                done.append(anyio.current_time())
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(slow)
+                await anyio.sleep(0.5)  # the exec is running now
+                start = anyio.current_time()
+                await s.send_ping()
+                names = {t.name for t in (await s.list_tools()).tools}
+                answered = anyio.current_time()
+                assert answered - start < 1.0, answered - start
+                assert not done, "the ping was answered only after the exec"
+                assert "exec" in names
+                seen = body(await call(s, "observe"))  # waits for the exec, then answers
+                assert done
+                assert seen["receipt_count"] == 1
+
+    run(go)

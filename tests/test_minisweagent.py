@@ -5,6 +5,7 @@ submit the verifier; SIGKILL of gitrun mid-run resumes to the uninterrupted tree
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -145,4 +146,35 @@ def test_gitrun_sigkilled_while_the_agent_thinks_is_resumed_by_the_next_command(
     assert result["gitrun"]["phase"] == "done", result
     keys, tree = branch(tmp_path)
     assert keys == KEYS
+    assert tree == reference
+
+
+def test_a_submit_command_runs_whole_as_an_exec_step_then_finishes_as_mini_does(
+    tmp_path: Path, reference: str
+) -> None:
+    """As mini-swe-agent's own environments: the submit command runs (what follows the
+    marker too), and it submits only if its output starts with the marker and it exit 0."""
+    task = tmp_path / "rename-api"
+    shutil.copytree(TASK, task)
+    toml = task / "task.toml"
+    allow = 'allow = ["sed -i *", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT *"]'
+    toml.write_text(toml.read_text().replace('allow = ["sed -i *"]', allow))
+    submit = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && "
+    commands = [
+        SED + "geometry/shapes.py",
+        submit + "sed -i s/x/y/ geometry/no-such-file",  # exits 2: not a submit, mini goes on
+        submit + SED + "geometry/__init__.py geometry/report.py geometry/totals.py"
+        " && grep -c circle_area geometry/totals.py",
+    ]
+    env = GitrunEnvironment(
+        task_dir=str(task), run_id="mini", workspace=str(tmp_path / "ws"), lease_seconds=5
+    )
+    agent, result = run_agent(env, commands)
+    assert result["exit_status"] == "Submitted", result
+    assert result["gitrun"]["phase"] == "done", result
+    assert result["submission"] == "1\n"  # the output after the marker, as mini's
+    failed = [m.get("extra", {}) for m in agent.messages if m["role"] == "user"][2]
+    assert failed["returncode"] == 2
+    keys, tree = branch(tmp_path / "ws")
+    assert keys == ["mini-00001", "mini-00002", "mini-00003"]  # every command a step
     assert tree == reference

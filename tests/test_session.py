@@ -332,13 +332,17 @@ def test_an_agent_killed_after_sending_a_write_retries_it_and_gets_the_same_rece
 ) -> None:
     out = tmp_path / "answer.json"
     agent = f"cmd:{sys.executable} {AGENTS / 'retry_agent.py'} {tmp_path / 'marker'} {out}"
-    first = gitrun("run", str(SANDBOXES / "fix-median"), "--agent", agent, "--run-id", "s-retry")
+    # The agent keeps its marker and the answer in tmp_path: only unconfined can it write there.
+    bare = ("--isolation", "none")
+    first = gitrun(
+        "run", str(SANDBOXES / "fix-median"), "--agent", agent, "--run-id", "s-retry", *bare
+    )
     assert first.code == 8, first.err
     assert "gitrun resume s-retry" in first.err
     assert "was killed" in first.err
     repo = gitrun.repo("fix-median")
     assert branch_keys(repo, "s-retry") == ["retry-agent-write-1"]
-    second = gitrun("resume", "s-retry")
+    second = gitrun("resume", "s-retry", *bare)
     assert second.code == 1, second.err  # finish ran the tests: the bug is still there
     answer = json.loads(out.read_text())["result"]
     assert answer["replayed"] is True
@@ -392,14 +396,14 @@ def test_the_example_agents_solve_their_sandboxes(
     assert len(branch_keys(gitrun.repo(sandbox), "ex")) == 1
 
 
-def test_an_agent_process_sees_no_gitrun_variables(gitrun: Gitrun, tmp_path: Path) -> None:
-    dump = tmp_path / "env.json"
-    code = f"import json,os;json.dump(dict(os.environ),open({str(dump)!r},'w'))"
+def test_an_agent_process_sees_no_gitrun_variables(gitrun: Gitrun) -> None:
+    code = "import json,os,sys;print('ENV',json.dumps(dict(os.environ)),file=sys.stderr)"
     res = gitrun(
         "run", str(SANDBOXES / "fix-median"), "--agent", f'cmd:{sys.executable} -c "{code}"'
     )
     assert res.code == 8, res.err
-    seen = json.loads(dump.read_text())
+    line = next(ln for ln in res.err.splitlines() if ln.startswith("ENV "))
+    seen = json.loads(line.removeprefix("ENV "))
     assert not [k for k in seen if k.startswith("GITRUN_")]
 
 
@@ -419,12 +423,19 @@ def _reference_tree(gitrun: Gitrun, pidfile: Path) -> str:
     return tree_of(gitrun.repo("fix-median"), "ref")
 
 
-def _last_pid(pidfile: Path, after: int) -> int:
+def _agent_pid(pidfile: Path, seen: set[int]) -> int:
+    """The host pid of the steps agent named by ``pidfile`` not in ``seen`` (inside bwrap's
+    pid namespace the agent cannot tell its host pid, nor write ``pidfile``)."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        pids = pidfile.read_text().split() if pidfile.exists() else []
-        if len(pids) > after:
-            return int(pids[-1])
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in seen:
+                continue
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if argv[1:3] == [str(AGENTS / "steps_agent.py").encode(), str(pidfile).encode()]:
+                    seen.add(int(entry.name))
+                    return int(entry.name)
         time.sleep(0.01)
     raise AssertionError("the agent never started")
 
@@ -449,14 +460,14 @@ def test_sigkill_of_the_agent_or_of_gitrun_at_random_resumes_to_the_uninterrupte
              "--run-id", "crashy", "--lease-seconds", "2")  # fmt: skip
     args: tuple[str, ...] = first
     codes: list[int] = []
+    seen: set[int] = set()
     for _ in range(4):
         if (tmp_path / "started").exists() and status(gitrun, "crashy")["phase"] != "running":
             break  # a kill landed after the run had ended
         (tmp_path / "started").touch()
-        started = len(pidfile.read_text().split())
         proc = gitrun.popen(*args)
         try:
-            agent = _last_pid(pidfile, started)
+            agent = _agent_pid(pidfile, seen)
             time.sleep(rng.uniform(0.05, 0.7))
             with contextlib.suppress(ProcessLookupError):  # it may have ended by itself
                 os.kill(agent if victim == "agent" else proc.pid, signal.SIGKILL)

@@ -65,6 +65,7 @@ def _unverified_info(opened: Opened, exc: CheckpointRejected) -> dict[str, Any]:
         "receipts": [],
         "verifier": None,
         "isolation": None,
+        "agent_isolation": None,
     }
 
 
@@ -83,6 +84,7 @@ def _checkpoint_info(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]
         "receipts": [encode(r) for r in opened.env.receipts()],
         "verifier": None if s.verifier is None else encode(s.verifier),
         "isolation": None if s.verifier is None else s.verifier.isolation,
+        "agent_isolation": s.agent_isolation,
         "budgets": encode(s.budgets),
         "review": None if s.review is None else encode(s.review),
     }
@@ -124,11 +126,20 @@ def legacy_text(info: dict[str, Any], as_json: bool) -> str:
         f"receipts   {len(info['receipts'])}",
         f"verifier   {info['verifier']['summary'] if info['verifier'] else '-'}",
         f"isolation  {info.get('isolation') or '-'}",
+        f"agent      {_agent_line(info.get('agent_isolation'))}",
         f"lease      {_lease_line(lease)}",
     ]
     if info.get("checkpoint_error"):
         lines.append(f"checkpoint {info['checkpoint_error']}")
     return "\n".join(lines)
+
+
+def _agent_line(box: dict[str, str] | None) -> str:
+    if not box:
+        return "-"
+    if box["kind"] == "none":
+        return f"unconfined ({box.get('unconfined_because', '?')})"
+    return f"{box['kind']}, network {box['network']}"
 
 
 def _lease_line(lease: dict[str, Any] | None) -> str:

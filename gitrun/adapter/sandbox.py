@@ -106,8 +106,9 @@ def bwrap_works(bwrap: str) -> bool:
     return _probe((bwrap, *_BASE_FLAGS, "true")) is None
 
 
-def resolve(setting: str) -> Confinement:
-    """The confinement ``setting`` gives on this machine.
+def resolve(setting: str, who: str = "tests") -> Confinement:
+    """The confinement ``setting`` gives on this machine for the ``who`` it confines
+    (``tests``: the verifier and exec steps; ``agent``: the process ``--agent cmd:`` starts).
 
     ``required`` without a working bwrap raises :class:`SandboxUnavailable`; ``auto``
     then runs unconfined after one loud warning line on stderr.
@@ -121,11 +122,13 @@ def resolve(setting: str) -> Confinement:
         net = _probe((bwrap, *_BASE_FLAGS, "--unshare-net", "true")) is None
         return Confinement(BWRAP, bwrap, "loopback" if net else "host")
     if setting == REQUIRED:
+        whose = "verifier" if who == "tests" else who
         raise SandboxUnavailable(
-            f"verifier isolation is required but bubblewrap cannot run here ({why}); {INSTALL_HINT}"
+            f"{whose} isolation is required but bubblewrap cannot run here ({why}); {INSTALL_HINT}"
         )
+    subject = "the tests run" if who == "tests" else f"the {who} runs"
     _warn_once(
-        f"gitrun: warning: bubblewrap is not usable ({why}): the tests run UNCONFINED with "
+        f"gitrun: warning: bubblewrap is not usable ({why}): {subject} UNCONFINED with "
         f"your rights and can read the checkpoint keyring; {INSTALL_HINT}, or pass "
         "--isolation required to refuse"
     )
@@ -168,11 +171,12 @@ class Layout:
     secret_files: tuple[Path, ...]  # files whose directory cannot be hidden (e.g. a key file)
     chdir: Path
     blank: Path | None = None  # an empty file bound over each of ``secret_files``
+    private_tmp: bool = True  # an empty /tmp; False: the host's, read-only (an agent's)
 
     @classmethod
     def of(
         cls, writable: Sequence[Path], secret_dirs: Sequence[Path], secret_files: Sequence[Path],
-        chdir: Path, blank: Path | None = None,
+        chdir: Path, blank: Path | None = None, *, private_tmp: bool = True,
     ) -> Layout:  # fmt: skip
         """Hide a secret file's directory when nothing the tests need lives under it.
 
@@ -187,14 +191,16 @@ class Layout:
                 parent = f.parent
                 hidable = parent != Path("/") and not any(_under(n, parent) for n in needed)
                 (dirs if hidable else files).append(parent if hidable else f)
-        return cls(tuple(p.resolve() for p in writable), tuple(dirs), tuple(files), chdir, blank)
+        kept = tuple(p.resolve() for p in writable)
+        return cls(kept, tuple(dirs), tuple(files), chdir, blank, private_tmp)
 
     def bwrap_args(self, confinement: Confinement) -> list[str]:
         """Mount order matters: a later tmpfs over a parent would hide earlier binds."""
         args = list(_BASE_FLAGS)
         if confinement.network == "loopback":
             args.append("--unshare-net")
-        hidden = _outermost([Path("/tmp"), *self.secrets])  # noqa: S108 - hidden, not used
+        tmp = [Path("/tmp")] if self.private_tmp else []  # noqa: S108 - hidden, not used
+        hidden = _outermost([*tmp, *self.secrets])
         for path in hidden:
             args += ["--tmpfs", str(path)]
         for path in self.secret_files:

@@ -124,6 +124,7 @@ class RunStatus:
     verifier: VerifierEvent | None
     checkpoint: CheckpointStatus | None
     checkpoint_error: str | None = None
+    agent_isolation: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if (self.checkpoint is None) == (self.checkpoint_error is None):
@@ -153,6 +154,7 @@ class RunStatus:
             "receipts": [encode(r) for r in self.receipts],
             "verifier": None if self.verifier is None else encode(self.verifier),
             "isolation": self.isolation,
+            "agent_isolation": self.agent_isolation,
         }
         if self.checkpoint is None:
             return {**out, "checkpoint_error": self.checkpoint_error}
@@ -202,6 +204,7 @@ def _verified(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]:
         "receipts": tuple(opened.env.receipts()),
         "verifier": s.verifier,
         "checkpoint": checkpoint,
+        "agent_isolation": s.agent_isolation,
     }
 
 

@@ -330,6 +330,8 @@ class RunState:
     trace_chain: str
     started_at: float
     updated_at: float = field(default=0.0)
+    # the isolation the external agent (--agent cmd:) last started under: kind, network
+    agent_isolation: dict[str, str] | None = optional_field()  # noqa: RUF009 - None default
 
     def with_events(self, *events: Event) -> RunState:
         """Append trace events, extending the trace hash chain."""

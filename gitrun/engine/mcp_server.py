@@ -4,8 +4,11 @@ Every tool is one session method (:meth:`gitrun.engine.session.Session.dispatch`
 code path the JSON-RPC lines use too): a write is one gated step with a receipt commit,
 a client ``idempotency_key`` replays its receipt. A refusal is a tool result with
 ``isError`` whose text names the rule and what to do; the run's state (``observe``) is
-the resource ``gitrun://run/<id>/state``. Tool calls run one at a time on the event
-loop's thread, so the lease renewal between them never races a step.
+the resource ``gitrun://run/<id>/state``. The SDK serves each request as its own task;
+the session's blocking work (a step, an exec, the tests) runs in a worker thread
+(``anyio.to_thread.run_sync``, as the SDK's own MCPServer runs sync tools), one call at a
+time under :attr:`McpSession.lock`, so pings and ``tools/list`` answer while a command
+runs, and the lease renewal between calls (under the same lock) never races a step.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.to_thread
 import mcp_types as types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
@@ -60,6 +65,7 @@ PARAM_NOTES: dict[str, str] = {
     "to": "A receipt commit (full or a unique prefix) or a checkpoint generation number.",
 }
 _JSON_TYPES = {str: "string", int: "integer", bool: "boolean", dict: "object"}
+T = TypeVar("T")
 
 
 def _schema_of(kind: type | tuple[type, ...]) -> dict[str, Any]:
@@ -111,6 +117,12 @@ class McpSession:
         self.fatal: BaseException | None = None
         self.uri = f"gitrun://run/{session.rt.state.run_id}/state"
         self.scope: anyio.CancelScope | None = None
+        self.lock = anyio.Lock()  # one session call (or lease renewal) at a time
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread, after the calls before it: the loop stays free."""
+        async with self.lock:
+            return await anyio.to_thread.run_sync(fn, *args)
 
     def tools(self) -> list[types.Tool]:
         policy = self.session.rt.task.policy
@@ -130,7 +142,8 @@ class McpSession:
     ) -> types.CallToolResult:
         del ctx
         try:
-            result = self.session.dispatch(params.name, dict(params.arguments or {}))
+            arguments = dict(params.arguments or {})
+            result = await self._off_loop(self.session.dispatch, params.name, arguments)
         except (RpcError, GitrunError) as exc:
             text, data = refusal_text(exc, self.session)
             if isinstance(exc, LeaseLost) or (
@@ -176,18 +189,21 @@ class McpSession:
         del ctx
         if str(params.uri) != self.uri:
             raise ValueError(f"no resource {params.uri}; this server has {self.uri}")
-        text = json.dumps(self.session.dispatch("observe", {}), sort_keys=True)
+        text = json.dumps(
+            await self._off_loop(self.session.dispatch, "observe", {}), sort_keys=True
+        )
         contents = types.TextResourceContents(uri=self.uri, mime_type="application/json", text=text)
         return types.ReadResourceResult(contents=[contents])
 
     async def renew(self) -> None:
-        """Keep the lease while the client thinks (between tool calls, never during one)."""
+        """Keep the lease while the client thinks (between tool calls, never during one:
+        a running step renews it itself)."""
         rt = self.session.rt
         interval = max(0.2, rt.lease.duration / 4)
         while True:
             await anyio.sleep(interval)
             try:
-                rt.lease.maybe_renew(rt.state.generation)
+                await self._off_loop(lambda: rt.lease.maybe_renew(rt.state.generation))
             except GitrunError as exc:  # lost to another worker: stop serving, write nothing
                 self._stop(exc)
                 return

@@ -84,7 +84,8 @@ class SessionAgent(ScriptAgent):
             return mcp_server.serve(rt, self)
         from gitrun.engine.agentproc import serve_child
 
-        return serve_child(self.spec.removeprefix("cmd:"), lambda t: Session(rt, self, t).serve())
+        command = self.spec.removeprefix("cmd:")
+        return serve_child(command, rt, lambda t: Session(rt, self, t).serve())
 
 
 def session_agent(spec: str) -> SessionAgent:
@@ -96,6 +97,9 @@ def session_agent(spec: str) -> SessionAgent:
             raise BadInput(f"--agent {spec!r}: cannot split the command: {exc}") from exc
         if not argv:
             raise BadInput("--agent cmd: names no command; use --agent cmd:'python3 agent.py'")
+        from gitrun.engine.agentproc import network_setting
+
+        network_setting()  # a bad GITRUN_AGENT_NETWORK: refused before anything exists
     return SessionAgent(spec=spec)
 
 

@@ -6,9 +6,13 @@
 command is gated by the task's exec policy, confined, and committed as one receipt on
 the run's branch under an idempotency key. A command the policy refuses comes back as
 an observation naming the rule (returncode: gitrun's exit code for it), so the agent
-can go on. The agent's submit (``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``, or any
-command whose output starts with that line) ends the run through gitrun's verifier
-(``finish``); the verdict is in the agent's exit message, ``extra["gitrun"]``.
+can go on. The agent's submit is mini-swe-agent's own (``LocalEnvironment._check_finished``
+in 2.4.6): a command that exits 0 with output starting with the line
+``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``. The command runs whole as an exec step, and
+then ends the run through gitrun's verifier (``finish``), the rest of its output being
+the submission; the verdict is in the agent's exit message, ``extra["gitrun"]``. A bare
+``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` that the task's exec policy does not allow
+submits all the same: running it would print the marker and change nothing.
 
 Install with ``pip install 'gitrun[minisweagent]'``.
 """
@@ -33,8 +37,9 @@ from gitrun.integrations.session_client import (
 )
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
-# The submit command mini-swe-agent's prompts ask for; what follows it is not run.
-_SUBMIT_COMMAND = re.compile(rf"\s*echo\s+['\"]?{SUBMIT_MARKER}['\"]?(\s|;|&&|$)")
+# The bare submit mini-swe-agent's prompts ask for: nothing but the marker on stdout.
+_BARE_SUBMIT = re.compile(rf"\s*echo\s+(['\"]?){SUBMIT_MARKER}\1\s*;?\s*")
+_POLICY_RULES = ("exec-not-allowed", "exec-denied")  # the command itself was not allowed
 _ENDED = ("done", "failed")
 
 
@@ -89,8 +94,6 @@ class GitrunEnvironment:
     ) -> dict[str, Any]:
         """Run ``action["command"]`` as one exec step; raise ``Submitted`` on a submit."""
         command = str(action.get("command", ""))
-        if _SUBMIT_COMMAND.match(command):
-            self._submit("")
         self.steps += 1
         params: dict[str, Any] = {
             "command": command,
@@ -103,6 +106,8 @@ class GitrunEnvironment:
         try:
             result = self.client.request("exec", params)
         except SessionRefused as refused:
+            if refused.rule in _POLICY_RULES and _BARE_SUBMIT.fullmatch(command):
+                self._submit("")  # what the echo would have done: the marker, no change
             return self._refusal(refused)
         except SessionEnded as ended:
             raise self._stopped(str(ended)) from ended

@@ -25,6 +25,7 @@ import hashlib
 import os
 import random
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -42,6 +43,7 @@ STALE_LOCK_GRACE_SECONDS = 1.0
 LOCK_TIMEOUT_SECONDS = 30.0
 STOPPED_HOLDER_SECONDS = 0.5  # a lock holder seen stopped (SIGSTOP) this long is reported
 HOLDER_BYTES = 256  # the holder record at the start of every flock file, space-padded
+WAIT_NOTICE_SECONDS = 1.0  # a running holder this long: one stderr line names it, then wait on
 
 _configured = False
 
@@ -192,11 +194,14 @@ def _busy_holder(path: Path, seen: Holder | None) -> tuple[Holder | None, bool]:
 
 
 @contextmanager
-def flock(path: Path, timeout: float) -> Iterator[None]:
+def flock(
+    path: Path, timeout: float, on_wait: Callable[[Holder | None], None] | None = None
+) -> Iterator[None]:
     """An exclusive kernel lock on ``path`` (the same lock ``filelock`` takes on POSIX),
     held until the block ends or the process dies; its holder (pid, worker, host, since)
     is written at the start of the file. :class:`LockBusy` after ``timeout``, or at once
-    once the holder is seen stopped: a paused process would hold it for ever.
+    once the holder is seen stopped: a paused process would hold it for ever. A running
+    holder is waited on, ``on_wait(holder)`` called once after :data:`WAIT_NOTICE_SECONDS`.
 
     A bare ``flock`` on a fresh descriptor: ~10x cheaper than a FileLock object, and it
     sits on every write path (the holder record is one ``pwrite``, no fsync).
@@ -216,6 +221,9 @@ def flock(path: Path, timeout: float) -> Iterator[None]:
                     if stopped:
                         raise LockBusy(path, seen, stopped=True) from None
                     next_look = now + STOPPED_HOLDER_SECONDS / 2
+                if on_wait is not None and now - start >= WAIT_NOTICE_SECONDS:
+                    tell, on_wait = on_wait, None  # once
+                    tell(read_holder(path))
                 if now - start >= timeout:
                     raise LockBusy(path, read_holder(path), stopped=False) from None
                 time.sleep(0.005)
@@ -245,6 +253,20 @@ def _busy_error(name: str, exc: LockBusy) -> LeaseHeld:
     return LeaseHeld(owner, 0.0, message)
 
 
+def _waiting(name: str) -> Callable[[Holder | None], None]:
+    """One stderr line: who holds ``name``'s lock, and that gitrun waits (then exit 4)."""
+
+    def say(holder: Holder | None) -> None:
+        who = holder.describe() if holder else "a process that left no holder record"
+        sys.stderr.write(
+            f"gitrun: waiting for ref {name}: locked by {who}; gitrun waits up to "
+            f"{LOCK_TIMEOUT_SECONDS:.0f}s for it, then exits 4 naming it\n"
+        )
+        sys.stderr.flush()
+
+    return say
+
+
 @contextmanager
 def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]:
     """Hold the OS-level lock of every named ref (sorted, so no deadlock)."""
@@ -254,7 +276,7 @@ def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]
             path = _lock_path(cdir, name)
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                stack.enter_context(flock(path, LOCK_TIMEOUT_SECONDS))
+                stack.enter_context(flock(path, LOCK_TIMEOUT_SECONDS, _waiting(name)))
             except LockBusy as exc:
                 raise _busy_error(name, exc) from exc
             _clear_stale_lock(cdir, name)
