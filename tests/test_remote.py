@@ -207,8 +207,8 @@ def _race(world: World, mode: str, names: list[str], extra: list[str]) -> list[s
     ]
     out = []
     for proc in procs:
-        stdout, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 0
+        stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
         out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
 
