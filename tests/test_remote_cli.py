@@ -14,6 +14,7 @@ from helpers import one_line
 from remote_helpers import Daemon, hermetic_git
 
 from gitrun.core.errors import Exit
+from gitrun.store.keys import load_keyring
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -149,3 +150,37 @@ def test_resume_with_another_remote_than_the_run_s_own_is_refused(machines: Mach
     refused = a.run(["resume", "r3", "--remote", machines.url, *machines.args("a")], FAST)
     assert refused.code == Exit.BAD_INPUT
     assert "local run" in one_line(refused.err)
+
+
+def test_machine_b_needs_the_shared_keyring_and_registers_nothing_without_it(
+    machines: Machines,
+) -> None:
+    a, b = machines.cli("a"), machines.cli("b")
+    take = ["run", str(FIX_MEDIAN), "--run-id", "r4", "--remote", machines.url]
+    crash = {"GITRUN_CRASH_AT": "after_file_sync", **FAST}
+    killed = a.run([*take, "--lease-seconds", "1", *machines.args("a")], crash)
+    assert killed.code == -9, killed.err
+    time.sleep(1.2)  # A's lease expires: from another machine A cannot be known dead
+    where = ["--workspace", str(machines.tmp / "b")]
+    missing = b.run([*take, *where, "--key-file", str(machines.tmp / "none.keyring")], FAST)
+    assert missing.code == Exit.BAD_INPUT, missing.err
+    assert "none.keyring" in one_line(missing.err)
+    other = machines.tmp / "other.keyring"
+    load_keyring(other)  # a keyring of its own: it knows none of A's keys
+    refused = b.run([*take, *where, "--key-file", str(other)], FAST)
+    assert refused.code == Exit.REFUSED, refused.err
+    assert "unknown-key" in one_line(refused.err)
+    assert not list((machines.tmp / "b").glob("runs/*.json"))  # nothing registered
+    assert not (machines.tmp / "b" / "worktrees" / "r4").exists()
+    done = b.run([*take, *where, "--key-file", str(machines.key)], FAST)
+    assert done.code == Exit.DONE, done.err
+    keys = machines.writes_on_remote("r4")
+    assert len(keys) == len(set(keys))
+
+
+def test_the_workspace_config_remote_is_the_default_for_new_runs(machines: Machines) -> None:
+    (machines.tmp / "a" / "config.toml").write_text(f'remote = "{machines.url}"\n')
+    a = machines.cli("a")
+    done = a.run(["run", str(FIX_MEDIAN), "-q", "--run-id", "r5", *machines.args("a")], FAST)
+    assert done.code == Exit.DONE, done.err
+    assert machines.writes_on_remote("r5")

@@ -195,7 +195,7 @@ class Environment(WorktreeFiles):
     def receipt_log(self) -> GitReceiptLog:
         """The run's receipt log (lookup, append, index; the remote's on a --remote run)."""
         if self.site is not None:
-            return RemoteReceiptLog(self.site, self.run_id)
+            return RemoteReceiptLog(self.site, self.run_id, owner_reads=True)
         return GitReceiptLog(self.repo, self.run_id)
 
     def receipt_of(self, commit: pygit2.Commit) -> Receipt | None:

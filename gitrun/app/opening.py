@@ -61,11 +61,12 @@ class Options:
     remote: str | None = None  # --remote: the shared git remote is the runs' source of truth
 
     def remote_for(self, record: RunRecord | None = None) -> str | None:
-        """The remote of a run: --remote, else the run's own, else the workspace config's."""
+        """The remote of a run: --remote, else the run's own (a registered run keeps its
+        store), else for a run not registered here the workspace config's."""
         if self.remote:
             return self.remote
-        if record is not None and record.remote:
-            return record.remote
+        if record is not None:
+            return record.remote or None
         return self.workspace.config_remote
 
     @property

@@ -201,16 +201,23 @@ class RemoteReceiptLog(GitReceiptLog):
     first and whose writes are atomic pushes; decoding and history walks are the same.
     """
 
-    def __init__(self, site: RemoteSite, run_id: str) -> None:
+    def __init__(self, site: RemoteSite, run_id: str, *, owner_reads: bool = False) -> None:
         super().__init__(site.repo, run_id)
         self.site = site
+        # The lease holder's own lookups (the environment's replay check) trust the cache
+        # once it was fetched: only the holder writes, every write it pushes is compared
+        # by the server, and a cache a takeover left stale fails that push, never a step.
+        self.owner_reads = owner_reads
+        self._fetched = False
 
     def head(self) -> str:
         self.site.sync(self.run_id)
         return super().head()
 
     def lookup(self, key: str, since: str | None = None, *, repair: bool = True) -> Receipt | None:
-        self.site.sync(self.run_id)
+        if not (self.owner_reads and self._fetched):
+            self.site.sync(self.run_id)
+            self._fetched = True
         found = super().lookup(key, since, repair=False)
         if found is not None and repair:
             self._index({key: found.commit})
