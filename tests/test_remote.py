@@ -360,3 +360,13 @@ def test_syncing_a_run_never_touches_the_branch_of_a_run_whose_id_extends_it(
     assert str(gitstore.read_ref(a.repo, other)) == world.base
     assert gitstore.read_ref(a.repo, theirs) is None
     assert str(gitstore.read_ref(a.repo, "refs/heads/gitrun/" + RUN)) == world.base
+
+
+def test_evidence_waiting_in_this_machine_s_inbox_survives_a_sync(world: World) -> None:
+    a = world.machine("a")
+    inbox = f"refs/gitrun/runs/{RUN}/inbox/approval"
+    hermetic_git("-C", str(Path(a.repo.workdir)), "update-ref", inbox, world.base)
+    RemoteLeaseStore(a, RUN, "w1").acquire(0)
+    a.sync(RUN)
+    assert str(gitstore.read_ref(a.repo, inbox)) == world.base
+    assert world.remote_ref(inbox) is None

@@ -59,6 +59,9 @@ def run_refspecs(run_id: str) -> list[str]:
     """
     return [
         f"+refs/gitrun/runs/{run_id}/*:refs/gitrun/runs/{run_id}/*",
+        # Evidence waiting for the runtime stays this machine's (approvals and reviews do
+        # not travel through the remote yet): neither fetched over nor pruned.
+        f"^refs/gitrun/runs/{run_id}/inbox/*",
         f"+refs/heads/gitrun/{run_id}*:{mirror_ref(run_id)}*",
     ]
 
