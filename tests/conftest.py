@@ -22,6 +22,7 @@ from helpers import (
     scrub_env,
     snapshot,
 )
+from remote_helpers import git_daemon
 
 # What test modules import from here (most of it made in helpers.py).
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Gitrun",
     "Result",
     "git",
+    "git_daemon",
     "relocate_workspace",
     "scrub_env",
     "snapshot",

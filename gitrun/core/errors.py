@@ -30,6 +30,7 @@ class Exit(IntEnum):
     LEASE_LOST = 6  # this worker lost its lease mid-run; the new owner carries on
     CONFLICT = 7  # a race lost (a ref CAS, a run id taken); nothing of the loser is visible
     AGENT_GONE = 8  # the session's agent left before the run ended; resume continues it
+    REMOTE_UNAVAILABLE = 9  # the shared git remote could not be reached or refused; nothing moved
     INTERNAL = 70  # a bug in gitrun (EX_SOFTWARE); GITRUN_DEBUG=1 shows the traceback
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT); the run resumes from its last checkpoint
 
@@ -240,6 +241,20 @@ class ApprovalRefused(GitrunError, PermissionError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"evidence refused ({reason}): {message}")
         self.reason = reason
+
+
+class RemoteUnavailable(GitrunError, ConnectionError):
+    """The shared git remote (the source of truth of a ``--remote`` run) could not be
+    reached, timed out, or refused the update for a reason other than a lost race.
+
+    Fail closed: no local fallback, nothing claims success; the caller retries later.
+    """
+
+    exit_code = Exit.REMOTE_UNAVAILABLE
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(message)
+        self.url = url
 
 
 class KeyFileError(BadInput):

@@ -96,14 +96,7 @@ class CheckpointStore:
         An invalid state raises :class:`InvalidState` before any object is written.
         A lost race raises :class:`CasFailed`; nothing of the loser is visible.
         """
-        payload = validate_state(state)
-        parent = str(expected) if expected is not None else ""
-        key_id, mac = self.keyring.sign(_signed_bytes(ref, parent, payload))
-        message = _message(state, payload, key_id, mac)
-        parents = [expected] if expected is not None else []
-        oid: pygit2.Oid = self.repo.create_commit(
-            None, SIGNER, SIGNER, message.decode(), self.empty_tree(), parents
-        )
+        oid = self.write(ref, state, expected)
         guards = [fence_guard(self.repo, state.run_id, fence)] if fence is not None else []
         gitstore.update_ref(
             self.repo,
@@ -117,6 +110,19 @@ class CheckpointStore:
         )
         if self.witness is not None:
             self._witness_advance(ref, state, oid, expected)
+        return oid
+
+    def write(self, ref: str, state: RunState, expected: pygit2.Oid | None) -> pygit2.Oid:
+        """Validate ``state`` and write its signed checkpoint commit on ``expected``; no ref
+        moves (the caller's compare-and-swap does: a local ref, or a remote's atomic push)."""
+        payload = validate_state(state)
+        parent = str(expected) if expected is not None else ""
+        key_id, mac = self.keyring.sign(_signed_bytes(ref, parent, payload))
+        message = _message(state, payload, key_id, mac)
+        parents = [expected] if expected is not None else []
+        oid: pygit2.Oid = self.repo.create_commit(
+            None, SIGNER, SIGNER, message.decode(), self.empty_tree(), parents
+        )
         return oid
 
     def _witness_advance(

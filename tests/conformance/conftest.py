@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,11 @@ from conformance.stores import IMPLEMENTATIONS, Stores
 
 
 @pytest.fixture(params=IMPLEMENTATIONS, ids=[impl.name for impl in IMPLEMENTATIONS])
-def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Stores:
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stores]:
     """The three stores of one implementation, on a fresh backing store."""
     impl: type[Stores] = request.param
-    return impl(tmp_path)
+    made = impl(tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()

@@ -4,7 +4,7 @@ A :class:`Stores` gives the conformance tests the three stores of one implementa
 one backing store, opened afresh on each call (as another process would open them), plus
 the few test-only hooks a suite needs to play an attacker or a crash: tamper with the
 stored checkpoint, drop or misdirect a receipt index entry, count stored objects. To add
-an implementation (the remote store of a later issue), write its ``Stores`` subclass and
+an implementation, write its ``Stores`` subclass and
 append it to :data:`IMPLEMENTATIONS`; every conformance test then runs against it.
 """
 
@@ -27,6 +27,7 @@ from memory_stores import (
     MemoryReceiptLog,
     MemoryWrite,
 )
+from remote_helpers import Daemon, machine
 
 from gitrun.core.contracts import CheckpointLog, LeaseStore, ReceiptStore
 from gitrun.core.records import (
@@ -41,6 +42,8 @@ from gitrun.store.checkpoint import CheckpointStore, checkpoint_ref
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, LeaseManager
 from gitrun.store.receipts import GitReceiptLog, branch_ref, index_ref
+from gitrun.store.remote import RemoteCheckpointLog, RemoteReceiptLog, RemoteSite
+from gitrun.store.remote_lease import RemoteLeaseStore
 
 RUN = "run-1"
 TASK = "task-1"
@@ -119,6 +122,10 @@ class Stores(ABC):
     def objects(self) -> int:
         """How many objects the backing store holds: unchanged means nothing was written."""
 
+    def close(self) -> None:
+        """Stop whatever the stores needed running (a server); called at teardown."""
+        return
+
 
 class GitStores(Stores):
     """The product: a real repository in ``tmp_path``, opened anew for each store."""
@@ -156,40 +163,11 @@ class GitStores(Stores):
 
     def draft(self, key: str, intent_digest: str, parent: str, fence: Fence) -> pygit2.Oid:
         """A write commit with the trailer block Environment.execute writes."""
-        repo = self.repo()
-        parent_commit = repo[pygit2.Oid(hex=parent)]
-        if not isinstance(parent_commit, pygit2.Commit):
-            raise TypeError(parent)
-        tree = repo.TreeBuilder(parent_commit.tree)
-        blob = repo.create_blob(f"{key} {intent_digest}\n".encode())
-        tree.insert(f"{key}.txt", blob, pygit2.enums.FileMode.BLOB)
-        trailers = {
-            "Gitrun-Run": RUN,
-            "Gitrun-Task": f"{TASK}@1",
-            "Gitrun-Action": "write_file",
-            "Gitrun-Idempotency-Key": key,
-            "Gitrun-Intent-Digest": intent_digest,
-            "Gitrun-Instance": INSTANCE,
-            "Gitrun-Lease": str(fence.version),
-            "Gitrun-Approval": "none",
-        }
-        block = "".join(f"{k}: {v}\n" for k, v in trailers.items())
-        message = f"gitrun: write_file {key}.txt\n\nwrite {key}\n\n{block}"
-        sig = pygit2.Signature("gitrun", "gitrun@localhost", int(time.time()), 0)
-        oid: pygit2.Oid = repo.create_commit(
-            None, sig, sig, message, tree.write(), [parent_commit.id]
-        )
-        return oid
+        return draft_commit(self.repo(), key, intent_digest, parent, fence)
 
     def tamper_checkpoint(self, ref: str) -> None:
         """Rewrite the payload of the head commit and move the ref with the real git CLI."""
-        old = git(self.dir, "rev-parse", ref).strip()
-        raw = git(self.dir, "cat-file", "commit", old)
-        forged = raw.replace('"cursor":0', '"cursor":7', 1)
-        if forged == raw:
-            raise AssertionError("the checkpoint payload has no cursor to tamper with")
-        new = _git_input(self.dir, forged, "hash-object", "-t", "commit", "-w", "--stdin")
-        git(self.dir, "update-ref", ref, new, old)
+        tamper(self.dir, ref)
 
     def drop_index(self, key: str) -> None:
         git(self.dir, "update-ref", "-d", index_ref(RUN, key))
@@ -202,8 +180,50 @@ class GitStores(Stores):
         return None if found is None else str(found)
 
     def objects(self) -> int:
-        loose = [p for p in (self.dir / ".git" / "objects").glob("??/*") if p.is_file()]
-        return len(loose)
+        return len(loose_objects(self.dir / ".git"))
+
+
+def loose_objects(git_dir: Path) -> set[str]:
+    """The ids of the loose objects of a git dir."""
+    return {p.parent.name + p.name for p in (git_dir / "objects").glob("??/*") if p.is_file()}
+
+
+def draft_commit(
+    repo: pygit2.Repository, key: str, intent_digest: str, parent: str, fence: Fence
+) -> pygit2.Oid:
+    """A write commit of ``key`` on ``parent`` with the trailer block Environment.execute writes."""
+    parent_commit = repo[pygit2.Oid(hex=parent)]
+    if not isinstance(parent_commit, pygit2.Commit):
+        raise TypeError(parent)
+    tree = repo.TreeBuilder(parent_commit.tree)
+    blob = repo.create_blob(f"{key} {intent_digest}\n".encode())
+    tree.insert(f"{key}.txt", blob, pygit2.enums.FileMode.BLOB)
+    trailers = {
+        "Gitrun-Run": RUN,
+        "Gitrun-Task": f"{TASK}@1",
+        "Gitrun-Action": "write_file",
+        "Gitrun-Idempotency-Key": key,
+        "Gitrun-Intent-Digest": intent_digest,
+        "Gitrun-Instance": INSTANCE,
+        "Gitrun-Lease": str(fence.version),
+        "Gitrun-Approval": "none",
+    }
+    block = "".join(f"{k}: {v}\n" for k, v in trailers.items())
+    message = f"gitrun: write_file {key}.txt\n\nwrite {key}\n\n{block}"
+    sig = pygit2.Signature("gitrun", "gitrun@localhost", int(time.time()), 0)
+    oid: pygit2.Oid = repo.create_commit(None, sig, sig, message, tree.write(), [parent_commit.id])
+    return oid
+
+
+def tamper(git_dir: Path, ref: str) -> None:
+    """Rewrite the payload of the checkpoint at ``ref`` and move the ref with the real git CLI."""
+    old = git(git_dir, "rev-parse", ref).strip()
+    raw = git(git_dir, "cat-file", "commit", old)
+    forged = raw.replace('"cursor":0', '"cursor":7', 1)
+    if forged == raw:
+        raise AssertionError("the checkpoint payload has no cursor to tamper with")
+    new = _git_input(git_dir, forged, "hash-object", "-t", "commit", "-w", "--stdin")
+    git(git_dir, "update-ref", ref, new, old)
 
 
 def _ring(name: str) -> Keyring:
@@ -269,6 +289,102 @@ class MemoryStores(Stores):
         return self.backend.objects
 
 
+class RemotePathStores(Stores):
+    """The remote store over a file-path URL: one machine's clone caches a bare remote.
+
+    Every hook plays its part on the remote (the source of truth), not on the cache.
+    """
+
+    name = "remote-path"
+
+    def __init__(self, tmp: Path) -> None:
+        self.served = tmp / "served"
+        self.served.mkdir()
+        self.bare = self.served / "remote.git"
+        self._base = _seed_remote(self.bare)
+        self.url = self.start(tmp)
+        self.clones = [machine(self.url, tmp / "machine-a")]
+        self.ring = _ring("remote")
+        self.other_ring = _ring("remote-other")
+
+    def start(self, tmp: Path) -> str:
+        """The URL the machines use (a path here)."""
+        del tmp
+        return str(self.bare)
+
+    def site(self, index: int = 0) -> RemoteSite:
+        clone = self.clones[index % len(self.clones)]
+        return RemoteSite(gitstore.open_repo(clone), self.url)
+
+    def checkpoints(self, *, other_keyring: bool = False) -> RemoteCheckpointLog:
+        ring = self.other_ring if other_keyring else self.ring
+        return RemoteCheckpointLog(self.site(1), ring)
+
+    def leases(self, worker: str, duration: float = 30.0) -> RemoteLeaseStore:
+        # One worker works from one machine; different workers from different ones.
+        return RemoteLeaseStore(self.site(int(worker[1:] or 0) + 1), RUN, worker, duration)
+
+    def receipts(self) -> RemoteReceiptLog:
+        return RemoteReceiptLog(self.site(0), RUN)
+
+    @property
+    def base(self) -> str:
+        return self._base
+
+    def draft(self, key: str, intent_digest: str, parent: str, fence: Fence) -> pygit2.Oid:
+        return draft_commit(self.site(0).repo, key, intent_digest, parent, fence)
+
+    def tamper_checkpoint(self, ref: str) -> None:
+        tamper(self.bare, ref)
+
+    def drop_index(self, key: str) -> None:
+        git(self.bare, "update-ref", "-d", index_ref(RUN, key))
+
+    def point_index(self, key: str, receipt_id: str) -> None:
+        git(self.bare, "update-ref", index_ref(RUN, key), receipt_id)
+
+    def index_entry(self, key: str) -> str | None:
+        out = git(self.bare, "for-each-ref", "--format=%(objectname)", index_ref(RUN, key))
+        return out.strip() or None
+
+    def objects(self) -> int:
+        """Distinct loose objects on the remote and every clone (a fetch copies, not writes)."""
+        found = loose_objects(self.bare)
+        for clone in self.clones:
+            found |= loose_objects(clone / ".git")
+        return len(found)
+
+
+class RemoteDaemonStores(RemotePathStores):
+    """The remote store over ``git://`` (a real git daemon), two machines: checkpoints are
+    written from one clone, receipts from the other, and each worker leases from its own."""
+
+    name = "remote-daemon"
+
+    def start(self, tmp: Path) -> str:
+        self.daemon = Daemon(self.served)
+        self.daemon.start()
+        return self.daemon.url()
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(tmp)
+        self.clones.append(machine(self.url, tmp / "machine-b"))
+
+    def close(self) -> None:
+        self.daemon.stop()
+
+
+def _seed_remote(bare: Path) -> str:
+    """A bare remote with a base commit on main and on the run's branch; the base id."""
+    repo = pygit2.init_repository(str(bare), bare=True, initial_head="main")
+    sig = pygit2.Signature("Test", "test@example.invalid", 0, 0)
+    tree = repo.TreeBuilder()
+    tree.insert("README", repo.create_blob(b"base\n"), pygit2.enums.FileMode.BLOB)
+    base = repo.create_commit("refs/heads/main", sig, sig, "base\n", tree.write(), [])
+    repo.references.create(branch_ref(RUN), base)
+    return str(base)
+
+
 if TYPE_CHECKING:  # mypy proves each implementation satisfies its contract exactly
 
     def _conforms(git: GitStores, memory: MemoryStores) -> None:
@@ -283,6 +399,17 @@ if TYPE_CHECKING:  # mypy proves each implementation satisfies its contract exac
         )
         del checkpoints, leases, receipts
 
+    def _remote_conforms(remote: RemotePathStores) -> None:
+        checkpoints: CheckpointLog[pygit2.Oid] = remote.checkpoints()
+        leases: LeaseStore = remote.leases("w")
+        receipts: ReceiptStore[pygit2.Oid] = remote.receipts()
+        del checkpoints, leases, receipts
+
 
 # Every implementation of the contracts; the conformance suite runs each test on each.
-IMPLEMENTATIONS: list[type[Stores]] = [GitStores, MemoryStores]
+IMPLEMENTATIONS: list[type[Stores]] = [
+    GitStores,
+    MemoryStores,
+    RemotePathStores,
+    RemoteDaemonStores,
+]

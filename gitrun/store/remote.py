@@ -1,0 +1,332 @@
+"""The remote store: a shared git remote is the source of truth of a run's refs.
+
+How to build the three stores of one machine for a URL (each machine has its own clone,
+whose refs are only a cache of the remote's):
+
+    site = RemoteSite(gitstore.open_repo(clone), url)      # git://, ssh://, https://, a path
+    checkpoints = RemoteCheckpointLog(site, keyring)       # the same keyring on every machine
+    lease = RemoteLeaseStore(site, run_id, worker, seconds) # gitrun.store.remote_lease
+    receipts = RemoteReceiptLog(site, run_id)
+
+They implement :mod:`gitrun.core.contracts` (the conformance suite runs on them).
+
+- **Reads** fetch the run's refs with explicit refspecs (:func:`run_refspecs`) first, then
+  read the local cache with the git store's own readers (signature checks included).
+- **Every commit point is one** ``git push --atomic`` (:meth:`RemoteSite.transact`) with a
+  ``--force-with-lease`` per ref it moves. It is planned on the cache; a rejected push
+  (a lost CAS, or a stale cache) is re-planned on freshly fetched refs, and only a
+  decision made on fresh refs is final (CasFailed, LeaseLost, a replay...).
+- **Fencing on the server**: git sends no command for a ref whose value is unchanged,
+  so a lease on an unchanged ref is never checked. Every fenced push therefore also
+  moves the lease ref: to a copy of the lease with ``renewed_at`` bumped (same owner,
+  version and expiry). The server compares the lease ref in the same atomic
+  transaction; a takeover in between rejects the whole push.
+- **Partitions fail closed**: a remote that cannot be reached raises
+  :class:`~gitrun.core.errors.RemoteUnavailable`; no local ref claims a move the remote
+  did not take (the cache is written only after the push succeeded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TypeVar
+
+import pygit2
+
+from gitrun.core.codec import canonical_bytes, encode
+from gitrun.core.contracts import Appended
+from gitrun.core.errors import CasFailed, GitrunError, RemoteUnavailable
+from gitrun.core.records import Receipt, RunState
+from gitrun.store import gitstore
+from gitrun.store.checkpoint import CheckpointStore, Stored, run_of_ref
+from gitrun.store.keys import Keyring
+from gitrun.store.lease import Fence, fence_guard, read_lease
+from gitrun.store.receipts import GitReceiptLog, branch_ref, index_ref
+from gitrun.store.remote_git import Rejected, Remote, Update
+
+T = TypeVar("T")
+MAX_PUSHES = 4  # re-planned pushes before a remote that keeps refusing is called unavailable
+
+
+def run_refspecs(run_id: str) -> list[str]:
+    """The refspecs that bring one run's refs (control refs and branch) into the cache.
+
+    The branch comes by a glob (an exact name that does not exist yet fails the whole
+    fetch), which also matches runs whose id extends this one; so it lands in a private
+    mirror namespace, pruned on its own, never over another run's local branch.
+    """
+    return [
+        f"+refs/gitrun/runs/{run_id}/*:refs/gitrun/runs/{run_id}/*",
+        # Evidence waiting for the runtime stays this machine's (approvals and reviews do
+        # not travel through the remote yet): neither fetched over nor pruned.
+        f"^refs/gitrun/runs/{run_id}/inbox/*",
+        f"+refs/heads/gitrun/{run_id}*:{mirror_ref(run_id)}*",
+    ]
+
+
+def mirror_ref(run_id: str) -> str:
+    """Where a fetch puts the remote's value of the run's branch (absent: it has none)."""
+    return f"refs/gitrun/remote-branches/{run_id}/branch"
+
+
+def _hex(oid: pygit2.Oid | None) -> str | None:
+    return None if oid is None else str(oid)
+
+
+class RemoteSite:
+    """One machine's handle on the shared remote: its cache repository and the URL."""
+
+    def __init__(self, repo: pygit2.Repository, url: str) -> None:
+        self.repo = repo
+        self.remote = Remote(url, gitstore.common_dir(repo))
+
+    @property
+    def url(self) -> str:
+        return self.remote.url
+
+    def sync(self, run_id: str) -> None:
+        """Bring the cache up to the remote for ``run_id`` (RemoteUnavailable if it can't).
+
+        The local branch is set to the remote's when the remote has one; a branch the
+        remote lacks is left alone (a new run's, not yet published)."""
+        self.remote.fetch(run_refspecs(run_id), f"reading run {run_id}")
+        there = gitstore.read_ref(self.repo, mirror_ref(run_id))
+        if there is not None:
+            self.cache([Update(branch_ref(run_id), str(there), None)])
+
+    def branch_on_remote(self, run_id: str) -> pygit2.Oid | None:
+        """The remote's value of the run's branch as last fetched (None: it has none)."""
+        return gitstore.read_ref(self.repo, mirror_ref(run_id))
+
+    def fence_update(self, run_id: str, fence: Fence) -> Update:
+        """The lease move every fenced push carries, refused (LeaseLost) unless ``fence`` is
+        the lease the cache holds: the server then checks the lease in the same push."""
+        guard = fence_guard(self.repo, run_id, fence)
+        lease, oid = read_lease(self.repo, run_id)
+        guard.check(oid)
+        if lease is None or oid is None:  # the guard refused these already
+            raise CasFailed(guard.name, None, None, "lease")
+        moved = replace(lease, renewed_at=max(time.time(), lease.renewed_at + 0.001))
+        blob = gitstore.write_blob(self.repo, canonical_bytes(encode(moved)))
+        return Update(guard.name, str(blob), str(oid))
+
+    def transact(self, run_id: str, plan: Callable[[], tuple[list[Update], T]], what: str) -> T:
+        """Run ``plan`` on the cache and push its updates atomically; its result.
+
+        ``plan`` raises a refusal or returns (updates, result); no updates means nothing
+        to write. Any outcome but a pushed write is decided again on fresh refs before it
+        counts; a rejected push is re-planned on fresh refs, at most :data:`MAX_PUSHES` times.
+        """
+        fresh, rejected = False, None
+        for _ in range(MAX_PUSHES + 1):
+            try:
+                updates, result = plan()
+            except RemoteUnavailable:
+                raise
+            except GitrunError:
+                if fresh:
+                    raise
+                self.sync(run_id)
+                fresh = True
+                continue
+            if not updates and not fresh:
+                self.sync(run_id)
+                fresh = True
+                continue
+            if not updates:
+                return result
+            rejected = self.remote.push(updates, what)
+            if rejected is None:
+                self.cache(updates)
+                return result
+            self.sync(run_id)
+            fresh = True
+        raise _refusing(self.remote, what, rejected)
+
+    def cache(self, updates: Sequence[Update]) -> None:
+        """Mirror pushed updates into the local refs (a cache: a lost race here is harmless)."""
+        for update in updates:
+            current = gitstore.read_ref(self.repo, update.ref)
+            new = None if update.new is None else pygit2.Oid(hex=update.new)
+            if current == new:
+                continue
+            try:
+                gitstore.update_ref(self.repo, update.ref, current, new, message="gitrun remote")
+            except CasFailed:
+                continue  # another process of this machine cached a newer value
+
+
+def _refusing(remote: Remote, what: str, rejected: Rejected | None) -> RemoteUnavailable:
+    why = rejected.describe() if rejected else "no reason given"
+    return remote.unavailable(
+        what,
+        f"the remote keeps refusing the update ({why}); it must allow forced pushes to "
+        "refs/gitrun/* and pushes to refs/heads/gitrun/*",
+    )
+
+
+class RemoteCheckpointLog(CheckpointStore):
+    """The checkpoint log on the remote: signed commits pushed by one atomic, fenced CAS.
+
+    A :class:`CheckpointStore` (the runtime drives either) whose reads fetch first and
+    whose commit point is a push. Freshness comes from the remote, the authority every
+    machine shares, not from a per-machine witness, which could not see another
+    machine's advances.
+    """
+
+    def __init__(self, site: RemoteSite, keyring: Keyring) -> None:
+        super().__init__(site.repo, keyring, witness=None)
+        self.site = site
+
+    def head(self, ref: str) -> pygit2.Oid | None:
+        self.site.sync(run_of_ref(ref))
+        return super().head(ref)
+
+    def advance(
+        self, ref: str, state: RunState, expected: pygit2.Oid | None, fence: Fence | None
+    ) -> pygit2.Oid:
+        """Validate, write signed, push ``ref`` from ``expected`` (fenced); the new id."""
+        run_id = state.run_id
+        what = f"checkpoint generation {state.generation}"
+        try:
+            oid = self.write(ref, state, expected)
+        except pygit2.GitError:  # the parent is not in this machine's cache yet
+            self.site.sync(run_id)
+            oid = self.write(ref, state, expected)
+
+        def plan() -> tuple[list[Update], pygit2.Oid]:
+            updates = [self.site.fence_update(run_id, fence)] if fence is not None else []
+            actual = gitstore.read_ref(self.site.repo, ref)
+            if actual != expected:
+                raise CasFailed(ref, _hex(expected), _hex(actual), what)
+            return [*updates, Update(ref, str(oid), _hex(expected))], oid
+
+        return self.site.transact(run_id, plan, f"pushing {what} of run {run_id}")
+
+    def load(
+        self, ref: str, *, scenario_parts: dict[str, str] | None, offered: pygit2.Oid | None = None
+    ) -> Stored:
+        self.site.sync(run_of_ref(ref))
+        return super().load(ref, scenario_parts=scenario_parts, offered=offered)
+
+    def chain(self, ref: str, limit: int | None = None) -> list[Stored]:
+        self.site.sync(run_of_ref(ref))
+        return super().chain(ref, limit)
+
+
+class RemoteReceiptLog(GitReceiptLog):
+    """The receipt log on the remote: the branch move and its index entry in one push.
+
+    A :class:`GitReceiptLog` (the environment delegates to either) whose reads fetch
+    first and whose writes are atomic pushes; decoding and history walks are the same.
+    """
+
+    def __init__(self, site: RemoteSite, run_id: str, *, owner_reads: bool = False) -> None:
+        super().__init__(site.repo, run_id)
+        self.site = site
+        # The lease holder's own lookups (the environment's replay check) trust the cache
+        # once it was fetched: only the holder writes, every write it pushes is compared
+        # by the server, and a cache a takeover left stale fails that push, never a step.
+        self.owner_reads = owner_reads
+        self._fetched = False
+
+    def head(self) -> str:
+        self.site.sync(self.run_id)
+        return super().head()
+
+    def lookup(self, key: str, since: str | None = None, *, repair: bool = True) -> Receipt | None:
+        if not (self.owner_reads and self._fetched):
+            self.site.sync(self.run_id)
+            self._fetched = True
+        found = super().lookup(key, since, repair=False)
+        if found is not None and repair:
+            self._index({key: found.commit})
+        return found
+
+    def receipts(self) -> list[Receipt]:
+        self.site.sync(self.run_id)
+        return super().receipts()
+
+    def write_index(self, key: str, oid: pygit2.Oid) -> bool:
+        return self._index({key: str(oid)}) > 0
+
+    def rebuild_index(self) -> int:
+        self.site.sync(self.run_id)
+        entries: dict[str, str] = {}
+        for commit in self.walk(self.tip(), None):
+            key = self.key_of(commit)
+            if key is not None:
+                entries.setdefault(key, str(commit.id))
+        return self._index(entries)
+
+    def _index(self, entries: dict[str, str]) -> int:
+        """Push the index entries that differ (one atomic push); how many were written."""
+
+        def plan() -> tuple[list[Update], int]:
+            updates = []
+            for key, commit in sorted(entries.items()):
+                current = _hex(gitstore.read_ref(self.site.repo, index_ref(self.run_id, key)))
+                if current != commit:
+                    updates.append(Update(index_ref(self.run_id, key), commit, current))
+            return updates, len(updates)
+
+        return self.site.transact(self.run_id, plan, f"repairing run {self.run_id}'s index")
+
+    def append(
+        self,
+        write: pygit2.Oid,
+        expected: str,
+        fence: Fence,
+        *,
+        guards: Sequence[gitstore.Guard] = (),
+    ) -> Appended:
+        """Push the branch from ``expected`` to ``write`` with its index entry and the
+        lease move, in one atomic push (see :class:`gitrun.core.contracts.ReceiptStore`)."""
+
+        def plan() -> tuple[list[Update], Appended]:
+            receipt, new = self._receipt_to_append(write, expected, fence)
+            if not new:
+                return [], Appended(receipt, replayed=True)
+            moved = self.site.fence_update(self.run_id, fence)
+            tip = gitstore.read_ref(self.site.repo, self.branch)
+            for guard in guards:
+                guard.check(tip)
+            if _hex(tip) != expected:
+                raise CasFailed(self.branch, expected, _hex(tip), "branch")
+            updates = [
+                moved,
+                Update(self.branch, str(write), expected),
+                Update(index_ref(self.run_id, receipt.key), str(write), None),
+            ]
+            return updates, Appended(receipt, replayed=False)
+
+        return self.site.transact(self.run_id, plan, f"pushing a write of run {self.run_id}")
+
+    def _receipt_to_append(
+        self, write: pygit2.Oid, expected: str, fence: Fence
+    ) -> tuple[Receipt, bool]:
+        """(the receipt ``write`` carries, True), or (the one its key already has, False);
+        the same decisions, in the same order, as the local store's."""
+        from gitrun.core.errors import ReceiptConflict, ReceiptDrift
+
+        commit = self.site.repo.get(write)
+        receipt = self.receipt_of(commit) if isinstance(commit, pygit2.Commit) else None
+        if receipt is None:
+            raise ReceiptDrift("not-a-write", f"{write} is not a write commit of run {self.run_id}")
+        found = GitReceiptLog.lookup(self, receipt.key, since=expected, repair=False)
+        if found is None:
+            if receipt.parent != expected:
+                raise ReceiptDrift(
+                    "not-a-write", f"write {write} is based on {receipt.parent}, not {expected}"
+                )
+            return receipt, True
+        guard = fence_guard(self.site.repo, self.run_id, fence)
+        guard.check(gitstore.read_ref(self.site.repo, guard.name))
+        if found.intent_digest != receipt.intent_digest:
+            raise ReceiptConflict(found, receipt.intent_digest)
+        return found, False
+
+
+__all__ = ["RemoteCheckpointLog", "RemoteReceiptLog", "RemoteSite", "mirror_ref", "run_refspecs"]
