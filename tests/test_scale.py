@@ -166,7 +166,7 @@ def test_three_workers_through_a_remote_evaluate_each_instance_once_despite_kill
         killed = a.start(inputs, "b1", *shared, GITRUN_CRASH_AT="write_ref_moved")
         stopped = b.start(inputs, "b1", *shared, GITRUN_PAUSE_AT="after_verify")
         time.sleep(0.5)
-        survivor = c.start(inputs, "b1", *shared)
+        survivor = c.start(inputs, "b1", *shared, "--max-workers", "2")  # two processes
         assert killed.wait(timeout=60) == -signal.SIGKILL
         deadline = time.monotonic() + 60
         while os.waitid(os.P_PID, stopped.pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT) is None:

@@ -174,9 +174,9 @@ class Queue:
         return None if refused else Entry(oid, CLAIMED, self.worker, version, expires)
 
     def land(self, rid: str, held: Entry, result: str, files: dict[str, bytes],
-             branch: tuple[str, str] | None) -> bool:  # fmt: skip
+             branch: tuple[str, str] | None) -> Entry | None:  # fmt: skip
         """One atomic push: the DONE record (fenced by our claim) and the run's branch
-        ``(ref, commit)`` (which must not exist there yet). False: nothing landed."""
+        ``(ref, commit)`` (which must not exist there yet); None: nothing landed."""
         signed = canonical_bytes({"batch": self.batch, "run": rid, "result": result,
                                   "files": {n: _sha(d) for n, d in files.items()},
                                   "owner": self.worker})  # fmt: skip
@@ -184,10 +184,13 @@ class Queue:
         signature = {"result": result, "key_id": key_id, "mac": mac}
         doc = {"state": DONE, "owner": self.worker, "version": held.version + 1,
                "expires_at": 0, "result": signature}  # fmt: skip
-        updates = [Update(self.ref(rid), self._commit(rid, doc, held, files), held.oid)]
+        oid = self._commit(rid, doc, held, files)
+        updates = [Update(self.ref(rid), oid, held.oid)]
         if branch is not None:
             updates.append(Update(branch[0], branch[1], None))
-        return self.remote.push(updates, f"landing the result of {rid}") is None
+        if self.remote.push(updates, f"landing the result of {rid}") is not None:
+            return None
+        return Entry(oid, DONE, self.worker, held.version + 1, 0.0, signature)
 
 
 def _same_queue(batch: str, theirs: dict[str, Any], mine: dict[str, Any]) -> None:

@@ -47,6 +47,11 @@ from gitrun.store.receipts import branch_ref
 Shown = Callable[[str, dict[str, Any] | None], None]  # (instance id, its result or None)
 
 
+def _free(seen: Entry | None, now: float) -> bool:
+    """Whether an instance may be claimed: never claimed, or its claim expired."""
+    return seen is None or (seen.state != DONE and not seen.live(now))
+
+
 class Heartbeat(threading.Thread):
     """Renews this worker's claims in flight every third of the lease; a renewal the remote
     rejects means the claim was taken over: it is held as None and lands nothing."""
@@ -127,16 +132,19 @@ class Shared:
         """Claim, evaluate and land until every instance is done on the remote."""
         order = sorted(self.runs)
         random.Random(self.queue.worker).shuffle(order)  # noqa: S311 - workers start apart
+        fetched = time.monotonic()
         while True:
-            busy = self._land(pool, heart)  # before anything else: never leave one unsaid
+            landed = self._land(pool, heart)  # before anything else: never leave one unsaid
+            entries |= landed
             self._take_in(entries)
             if all(rid in entries and entries[rid].state == DONE for rid in self.runs):
                 return
-            if pool.free():
-                busy |= self._claim(order, entries, pool, heart)
-            if not busy:
-                time.sleep(min(1.0, self.queue.ttl / 4))
-            entries = self.queue.refresh()
+            claimed = pool.free() and self._claim(order, entries, pool, heart)
+            if not (landed or claimed):
+                time.sleep(min(0.25, self.queue.ttl / 8))  # idle: poll (one fetch)
+            elif claimed and time.monotonic() - fetched < self.queue.ttl / 4:
+                continue  # busy: a stale view costs at most a rejected claim, then a fetch
+            entries, fetched = self.queue.refresh(), time.monotonic()
 
     def _take_in(self, entries: dict[str, Entry]) -> None:
         """Report (and write the files of) every instance newly done on the remote."""
@@ -153,31 +161,40 @@ class Shared:
 
     def _claim(self, order: list[str], entries: dict[str, Entry], pool: Pool,
                heart: Heartbeat) -> bool:  # fmt: skip
+        """Claim one instance and start it; False when none is free, or when the remote
+        rejected our claim (our view was stale: read it again before the next)."""
+        now = time.time()
         for rid in order:
-            if rid in pool.running or rid in heart.held:
+            seen = entries.get(rid)
+            if rid in pool.running or rid in heart.held or not _free(seen, now):
                 continue
-            held = self.queue.claim(rid, entries.get(rid))
-            if held is not None:
-                heart.hold(rid, held)
-                self.show(self.runs[rid].inst.instance_id, None)
-                pool.submit(rid, self.runs[rid])
-                return True
+            held = self.queue.claim(rid, seen)
+            if held is None:
+                return False
+            heart.hold(rid, held)
+            self.show(self.runs[rid].inst.instance_id, None)
+            pool.submit(rid, self.runs[rid])
+            return True
         return False
 
-    def _land(self, pool: Pool, heart: Heartbeat) -> bool:
-        finished = pool.take()
-        for rid, out in finished:
+    def _land(self, pool: Pool, heart: Heartbeat) -> dict[str, Entry]:
+        """Land what finished; the DONE entries of those that landed."""
+        landed = {}
+        for rid, out in pool.take():
             held, job = heart.release(rid), self.runs[rid]
+            done = None
             if out["result"] == BUSY:  # our claim lapses and the instance is claimed again
                 why = f"not landed: {out.get('reason')}"
-            elif held is None or not self.queue.land(rid, held, out["result"],
-                                                     report_files(job, out),
-                                                     self._branch(job, out)):  # fmt: skip
-                why = "its claim was taken over by another worker; nothing of it landed"
-            else:
+            elif held is not None:
+                done = self.queue.land(rid, held, out["result"], report_files(job, out),
+                                       self._branch(job, out))  # fmt: skip
+            if done is not None:
+                landed[rid] = done
                 continue
+            if out["result"] != BUSY:
+                why = "its claim was taken over by another worker; nothing of it landed"
             self.show(job.inst.instance_id, out | {"result": "lost", "reason": why})
-        return bool(finished)
+        return landed
 
     def _branch(self, job: Job, out: dict[str, Any]) -> tuple[str, str] | None:
         rid = out.get("gitrun_run_id")
