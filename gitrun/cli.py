@@ -91,6 +91,7 @@ IsolationOpt = Annotated[
         "Overrides the task's [verifier] isolation.",
     ),
 ]
+RemoteOpt = Annotated[str | None, typer.Option("--remote", help="Shared git remote URL.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final line.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
@@ -152,11 +153,13 @@ def run(
     quiet: QuietOpt = False,
     trust_roots: TrustOpt = None,
     isolation: IsolationOpt = None,
+    remote: RemoteOpt = None,
 ) -> None:
     """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
     opts = _options(
         workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots, isolation
     )
+    opts.remote = remote
     _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=agent, run_id=run_id))
 
 
@@ -174,12 +177,14 @@ def resume(
     quiet: QuietOpt = False,
     trust_roots: TrustOpt = None,
     isolation: IsolationOpt = None,
+    remote: RemoteOpt = None,
 ) -> None:
     """Continue a run that stopped anywhere: verify, reconcile, carry on exactly once."""
     opts = _options(
         workspace, key_file, worker_id, lease_seconds, takeover_after, quiet, trust_roots,
         isolation,
     )  # fmt: skip
+    opts.remote = remote
     _finish(service.resume(run_id, opts, task))
 
 

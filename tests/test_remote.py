@@ -4,6 +4,7 @@ partitions, and the git facts the design rests on (checked against the git here)
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -207,8 +208,8 @@ def _race(world: World, mode: str, names: list[str], extra: list[str]) -> list[s
     ]
     out = []
     for proc in procs:
-        stdout, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 0
+        stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
         out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
 
@@ -306,3 +307,22 @@ def test_the_clone_s_hooks_and_command_transports_never_run(world: World, tmp_pa
     with pytest.raises(RemoteUnavailable):
         evil.fetch(["+refs/gitrun/*:refs/gitrun/*"])
     assert not marker.exists()
+
+
+def test_a_remote_that_accepts_but_never_answers_times_out_and_fails_closed(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = world.machine("a")
+    with socket.socket() as silent:  # accepts connections, never says a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"git://127.0.0.1:{silent.getsockname()[1]}/remote.git"
+        monkeypatch.setenv("GITRUN_REMOTE_TIMEOUT", "1")
+        lease = RemoteLeaseStore(RemoteSite(a.repo, url), RUN, "w1")
+        started = time.monotonic()
+        with pytest.raises(RemoteUnavailable, match="no answer within 1s") as caught:
+            lease.acquire(0)
+        assert time.monotonic() - started < 10
+    assert url in str(caught.value)
+    assert world.remote_ref(lease_ref(RUN)) is None
+    assert gitstore.read_ref(a.repo, lease_ref(RUN)) is None

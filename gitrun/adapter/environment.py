@@ -46,6 +46,7 @@ from gitrun.store.lease import Fence, fenced
 from gitrun.store.receipts import GitReceiptLog
 from gitrun.store.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
 from gitrun.store.receipts import index_ref as index_ref  # noqa: PLC0414 - re-export for callers
+from gitrun.store.remote import RemoteReceiptLog, RemoteSite
 
 if TYPE_CHECKING:
     from gitrun.adapter.exec_step import ExecContext
@@ -60,9 +61,16 @@ class Environment(WorktreeFiles):
     """The adapter for one run's worktree."""
 
     def __init__(
-        self, repo: pygit2.Repository, run_id: str, worktree: Path, task_label: str
+        self,
+        repo: pygit2.Repository,
+        run_id: str,
+        worktree: Path,
+        task_label: str,
+        *,
+        site: RemoteSite | None = None,
     ) -> None:
         self.repo = repo
+        self.site = site  # a --remote run: its receipts live on the shared remote
         self.run_id = run_id
         self.worktree = worktree
         self.branch = branch_ref(run_id)
@@ -82,6 +90,7 @@ class Environment(WorktreeFiles):
         task_label: str,
         *,
         fence: Fence | None = None,
+        site: RemoteSite | None = None,
     ) -> Environment:
         """Branch at ``base``, a worktree on it, and a fresh instance id in its git dir.
 
@@ -103,7 +112,7 @@ class Environment(WorktreeFiles):
             (gitstore.common_dir(repo) / "worktrees").mkdir(exist_ok=True)
             repo.add_worktree(f"gitrun-{run_id}", str(worktree), repo.references[branch])
             faults.point("setup_worktree_added")
-            env = cls(repo, run_id, worktree, task_label)
+            env = cls(repo, run_id, worktree, task_label, site=site)
             gitdir = Path(env.wt.path)
             atomic_write(gitdir / INDEX_BASE_FILE, str(base).encode())  # base is checked out
             _create_instance(gitdir, worktree)
@@ -184,7 +193,9 @@ class Environment(WorktreeFiles):
 
     @functools.cached_property
     def receipt_log(self) -> GitReceiptLog:
-        """The run's receipt log (lookup, append, index); these methods delegate to it."""
+        """The run's receipt log (lookup, append, index; the remote's on a --remote run)."""
+        if self.site is not None:
+            return RemoteReceiptLog(self.site, self.run_id, owner_reads=True)
         return GitReceiptLog(self.repo, self.run_id)
 
     def receipt_of(self, commit: pygit2.Commit) -> Receipt | None:
@@ -420,9 +431,9 @@ class Environment(WorktreeFiles):
         return oid
 
 
-def _create_instance(gitdir: Path, worktree: Path) -> None:
+def _create_instance(gitdir: Path, worktree: Path, instance_id: str | None = None) -> None:
     """Write the worktree's instance id, durably, where none exists (never replace one)."""
-    record = {"instance_id": str(uuid.uuid4()), "worktree": str(worktree.resolve())}
+    record = {"instance_id": instance_id or str(uuid.uuid4()), "worktree": str(worktree.resolve())}
     try:
         atomic_write(gitdir / INSTANCE_FILE, json.dumps(record).encode(), exclusive=True)
     except FileExistsError as exc:

@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import pygit2
 
-from gitrun.app.opening import Options, load_verified, open_run
+from gitrun.app.opening import Options, lease_store, load_verified, open_run
 from gitrun.core.codec import encode
 from gitrun.core.errors import BadInput, CheckpointRejected, GateRejected
 from gitrun.core.records import NEEDS_REVIEW, TERMINAL
-from gitrun.store.lease import LeaseManager
 
 if TYPE_CHECKING:
     from gitrun.core.records import Receipt
@@ -106,7 +105,7 @@ def rewind(run_id: str, opts: Options, to: str, key: str | None = None) -> dict[
     if stored.state.phase in TERMINAL:
         raise GateRejected("run-ended", f"run {run_id} is {stored.state.phase}; nothing to rewind")
     opts.approvals.require_roots(stored.state)
-    lease = LeaseManager(opened.repo, run_id, opts.worker, opts.lease_seconds)
+    lease = lease_store(opened.repo, run_id, opts, opened.site)
     lease.acquire(stored.state.generation, opts.takeover_after)
     try:
         ref, stored = load_verified(opened)  # the previous owner may have moved on

@@ -22,7 +22,9 @@ from gitrun.core.task import Task, load_task
 from gitrun.store import gitstore, trees
 from gitrun.store.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
 from gitrun.store.keys import Keyring, load_keyring
-from gitrun.store.lease import DEFAULT_DURATION, default_worker_id
+from gitrun.store.lease import DEFAULT_DURATION, LeaseManager, default_worker_id
+from gitrun.store.remote import RemoteCheckpointLog, RemoteSite
+from gitrun.store.remote_lease import RemoteLeaseStore
 from gitrun.store.witness import Witness
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ __all__ = [
     "base_parts",
     "checkpoint_store",
     "keyring_store",
+    "lease_store",
     "load_verified",
     "open_run",
     "the_ref",
@@ -55,6 +58,16 @@ class Options:
     trust_roots: Path | None = None
     isolation: str | None = None  # --isolation: overrides the task's [verifier] isolation
     output_log: Path | None = None  # the verifier keeps its command's output here (swebench)
+    remote: str | None = None  # --remote: the shared git remote is the runs' source of truth
+
+    def remote_for(self, record: RunRecord | None = None) -> str | None:
+        """The remote of a run: --remote, else the run's own (a registered run keeps its
+        store), else for a run not registered here the workspace config's."""
+        if self.remote:
+            return self.remote
+        if record is not None:
+            return record.remote or None
+        return self.workspace.config_remote
 
     @property
     def approvals(self) -> Approvals:
@@ -78,6 +91,7 @@ class Opened:
     repo: pygit2.Repository
     env: Environment
     store: CheckpointStore
+    site: RemoteSite | None = None  # a --remote run's handle on the shared remote
 
 
 def base_parts(task: Task, repo: pygit2.Repository, record_base: str | None) -> dict[str, str]:
@@ -95,15 +109,35 @@ def base_parts(task: Task, repo: pygit2.Repository, record_base: str | None) -> 
     return task.scenario_parts(commit, tree)
 
 
-def keyring_store(repo: pygit2.Repository, ws: Workspace) -> CheckpointStore:
+def keyring_store(
+    repo: pygit2.Repository, ws: Workspace, site: RemoteSite | None = None
+) -> CheckpointStore:
     """The checkpoint store of an existing run: its keyring must exist (never made here)."""
-    return checkpoint_store(repo, ws, load_keyring(ws.key_file, create=False))
+    return checkpoint_store(repo, ws, load_keyring(ws.key_file, create=False), site)
 
 
-def checkpoint_store(repo: pygit2.Repository, ws: Workspace, keyring: Keyring) -> CheckpointStore:
+def checkpoint_store(
+    repo: pygit2.Repository, ws: Workspace, keyring: Keyring, site: RemoteSite | None = None
+) -> CheckpointStore:
     """The one way the product builds a checkpoint store: always with the workspace's
-    freshness witness, since a signature alone proves no freshness."""
+    freshness witness, since a signature alone proves no freshness; on a --remote run,
+    the remote's log, whose freshness is the remote every machine shares."""
+    if site is not None:
+        return RemoteCheckpointLog(site, keyring)
     return CheckpointStore(repo, keyring, Witness(ws.witness_dir, keyring))
+
+
+def lease_store(
+    repo: pygit2.Repository, run_id: str, opts: Options, site: RemoteSite | None
+) -> LeaseManager:
+    """The one way the product builds a run's lease handle (the remote's on a --remote run)."""
+    if site is not None:
+        return RemoteLeaseStore(site, run_id, opts.worker, opts.lease_seconds)
+    return LeaseManager(repo, run_id, opts.worker, opts.lease_seconds)
+
+
+def remote_site(repo: pygit2.Repository, url: str | None) -> RemoteSite | None:
+    return None if url is None else RemoteSite(repo, url)
 
 
 def open_run(run_id: str, opts: Options, task_dir: Path | None = None) -> Opened:
@@ -111,8 +145,10 @@ def open_run(run_id: str, opts: Options, task_dir: Path | None = None) -> Opened
     record = ws.load(check_run_id(run_id))
     task = load_task(task_dir or record.task_dir)
     repo = gitstore.open_repo(record.repo)
-    env = Environment(repo, record.run_id, Path(record.worktree), f"{task.id}@{task.version}")
-    return Opened(record, task, repo, env, keyring_store(repo, ws))
+    site = remote_site(repo, opts.remote_for(record))
+    label = f"{task.id}@{task.version}"
+    env = Environment(repo, record.run_id, Path(record.worktree), label, site=site)
+    return Opened(record, task, repo, env, keyring_store(repo, ws, site), site)
 
 
 def the_ref(opened: Opened) -> str | None:

@@ -17,15 +17,17 @@ from typing import TYPE_CHECKING
 import pygit2
 
 from gitrun.adapter.environment import Environment, branch_ref
-from gitrun.app import starting
+from gitrun.app import remote_run, starting
 from gitrun.app.opening import (
     Opened,
     Options,
     base_parts,
     checkpoint_store,
     keyring_store,
+    lease_store,
     load_verified,
     open_run,
+    remote_site,
     the_ref,
 )
 from gitrun.app.reports import (
@@ -46,6 +48,7 @@ from gitrun.core.task import Task, load_task
 from gitrun.store import gitstore
 from gitrun.store.checkpoint import CheckpointStore, Stored
 from gitrun.store.lease import LeaseManager, fenced
+from gitrun.store.remote import RemoteSite
 
 if TYPE_CHECKING:
     # Loaded by the use cases that drive a run, not by `gitrun status` (hooks call it
@@ -91,15 +94,21 @@ def start(
     if ws.exists(rid):
         return _start_again(ws.load(rid), task, agent, recorded_spec, repo_path, opts)
     repo, base = _repo_and_base(task, opts, repo_path)
+    site = remote_site(repo, opts.remote_for())
+    if site is not None and remote_run.on_remote(site, rid):  # started on another machine
+        record = remote_run.adopt(site, rid, task, opts)
+        return _start_again(record, task, agent, recorded_spec, repo_path, opts)
     if gitstore.read_ref(repo, branch_ref(rid)) is not None:
         raise BadInput(
             f"branch gitrun/{rid} already exists in {repo.workdir}; pick another --run-id"
         )
     keyring = starting.keyring_for_new_run(ws)  # a bad key file fails before the run exists
     record = _new_record(rid, task, repo, base, agent, recorded_spec, opts)
+    record = replace(record, remote=site.url if site else "")
     faults.point("setup_before_register")
     ws.register(record)  # the first durable act of the run, and exclusive
-    return _setup_and_run(record, task, repo, agent, checkpoint_store(repo, ws, keyring), opts)
+    store = checkpoint_store(repo, ws, keyring, site)
+    return _setup_and_run(record, task, repo, agent, store, opts, site=site)
 
 
 def _repo_and_base(
@@ -172,13 +181,14 @@ def _setup_and_run(
     opts: Options,
     *,
     lease: LeaseManager | None = None,
+    site: RemoteSite | None = None,
 ) -> RunState:
     if lease is None:
-        lease = LeaseManager(repo, record.run_id, opts.worker, opts.lease_seconds)
+        lease = lease_store(repo, record.run_id, opts, site)
         lease.acquire(0, opts.takeover_after)
     try:
         faults.point("setup_lease_taken")
-        rt = _first_runtime(record, task, repo, agent, store, lease, opts)
+        rt = _first_runtime(record, task, repo, agent, store, lease, opts, site)
         starting.mark_set_up(opts.workspace, repo, record.run_id, lease.fence)
         opts.say(f"run {record.run_id}: worktree {record.worktree}, branch gitrun/{record.run_id}")
         return _drive(rt)
@@ -194,9 +204,11 @@ def _first_runtime(
     store: CheckpointStore,
     lease: LeaseManager,
     opts: Options,
+    site: RemoteSite | None = None,
 ) -> Runtime:
     """Create the run's branch and worktree under the lease, and its runtime at the first
-    checkpoint: the setup the ``setup_done`` mark then records."""
+    checkpoint: the setup the ``setup_done`` mark then records. A --remote run's branch
+    and record go to the remote before its first checkpoint does."""
     from gitrun.engine.runtime import begin
 
     env = Environment.create(
@@ -206,7 +218,10 @@ def _first_runtime(
         Path(record.worktree),
         f"{task.id}@{task.version}",
         fence=lease.fence,
+        site=site,
     )
+    if site is not None:
+        remote_run.publish(site, record, task, lease.fence)
     return begin(
         task=task,
         env=env,
@@ -239,8 +254,12 @@ def _drive(rt: Runtime) -> RunState:
 
 
 def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState:
-    """Verify the checkpoint, take the lease, reconcile the environment, carry on."""
+    """Verify the checkpoint, take the lease, reconcile the environment, carry on.
+    A --remote run another machine started is adopted here first (see remote_run)."""
+    if not opts.workspace.exists(check_run_id(run_id)) and opts.remote_for():
+        _adopt(run_id, opts, task_dir)
     opened = open_run(run_id, opts, task_dir)
+    remote_run.check_same_remote(opts, opened.record)
     record, task = opened.record, opened.task
     from gitrun.engine.agents import load_agent
 
@@ -259,7 +278,7 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     approvals.require_roots(state)
     if state.phase in TERMINAL:
         return _finished(opened, state)
-    lease = LeaseManager(opened.repo, record.run_id, opts.worker, opts.lease_seconds)
+    lease = lease_store(opened.repo, record.run_id, opts, opened.site)
     _check_resumable(opened, ref, stored, lease, agent, opts)
     lease.acquire(state.generation, opts.takeover_after)
     try:
@@ -368,7 +387,7 @@ def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunStat
     None when its owner reached the first checkpoint after all (resume that instead).
     """
     record = opened.record
-    lease = LeaseManager(opened.repo, record.run_id, opts.worker, opts.lease_seconds)
+    lease = lease_store(opened.repo, record.run_id, opts, opened.site)
     lease.acquire(0, opts.takeover_after)
     if the_ref(opened) is not None:
         _release(lease)
@@ -383,4 +402,21 @@ def _restart_setup(opened: Opened, agent: ScriptAgent, opts: Options) -> RunStat
     except BaseException:
         _release(lease)
         raise
-    return _setup_and_run(record, opened.task, opened.repo, agent, opened.store, opts, lease=lease)
+    return _setup_and_run(
+        record, opened.task, opened.repo, agent, opened.store, opts, lease=lease, site=opened.site
+    )
+
+
+def _adopt(run_id: str, opts: Options, task_dir: Path | None) -> None:
+    """Register here a --remote run that another machine started (its task dir needed)."""
+    if task_dir is None:
+        raise BadInput(
+            f"run {run_id} is not registered in {opts.workspace.root}; to take it over from "
+            f"{opts.remote_for()} pass --task DIR (the run's task directory on this machine)"
+        )
+    task = load_task(task_dir)
+    repo, _ = _repo_and_base(task, opts, None)
+    site = RemoteSite(repo, str(opts.remote_for()))
+    if not remote_run.on_remote(site, run_id):
+        raise BadInput(f"run {run_id} is neither registered here nor on {site.url}")
+    remote_run.adopt(site, run_id, task, opts)

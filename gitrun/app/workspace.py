@@ -64,6 +64,7 @@ class RunRecord:
     scenario_parts: dict[str, str] = field(default_factory=dict)
     setup_done: bool = True
     key_file: str = ""  # the keyring that signs its checkpoints ("": the workspace's)
+    remote: str = ""  # the shared git remote holding the run's refs ("": this repository)
 
 
 def _with_defaults(data: object) -> object:
@@ -124,6 +125,22 @@ class Workspace:
     def witness_dir(self) -> Path:
         """Where each run's freshness witness lives (outside every repository)."""
         return self.root / "witness"
+
+    @property
+    def config_remote(self) -> str | None:
+        """The ``remote`` key of ``<workspace>/config.toml``: the default ``--remote``."""
+        path = self.root / "config.toml"
+        if not path.is_file():
+            return None
+        import tomllib
+
+        try:
+            value = tomllib.loads(path.read_text()).get("remote")
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise BadInput(f"{path} is not valid TOML: {exc}; fix or remove it") from exc
+        if value is not None and not (isinstance(value, str) and value):
+            raise BadInput(f"{path}: remote must be a git URL string")
+        return value
 
     def worktree_path(self, run_id: str) -> Path:
         return self.root / "worktrees" / run_id

@@ -43,7 +43,7 @@ from gitrun.store import gitstore
 from gitrun.store.checkpoint import CheckpointStore, Stored, run_of_ref
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, fence_guard, read_lease
-from gitrun.store.receipts import GitReceiptLog, branch_ref, index_ref
+from gitrun.store.receipts import GitReceiptLog, index_ref
 from gitrun.store.remote_git import Rejected, Remote, Update
 
 T = TypeVar("T")
@@ -145,20 +145,22 @@ def _refusing(remote: Remote, what: str, rejected: Rejected | None) -> RemoteUna
     )
 
 
-class RemoteCheckpointLog:
+class RemoteCheckpointLog(CheckpointStore):
     """The checkpoint log on the remote: signed commits pushed by one atomic, fenced CAS.
 
-    Freshness comes from the remote (the authority every machine shares), not from a
-    per-machine witness file, which could not see another machine's advances.
+    A :class:`CheckpointStore` (the runtime drives either) whose reads fetch first and
+    whose commit point is a push. Freshness comes from the remote, the authority every
+    machine shares, not from a per-machine witness, which could not see another
+    machine's advances.
     """
 
     def __init__(self, site: RemoteSite, keyring: Keyring) -> None:
+        super().__init__(site.repo, keyring, witness=None)
         self.site = site
-        self.local = CheckpointStore(site.repo, keyring)
 
     def head(self, ref: str) -> pygit2.Oid | None:
         self.site.sync(run_of_ref(ref))
-        return self.local.head(ref)
+        return super().head(ref)
 
     def advance(
         self, ref: str, state: RunState, expected: pygit2.Oid | None, fence: Fence | None
@@ -167,10 +169,10 @@ class RemoteCheckpointLog:
         run_id = state.run_id
         what = f"checkpoint generation {state.generation}"
         try:
-            oid = self.local.write(ref, state, expected)
+            oid = self.write(ref, state, expected)
         except pygit2.GitError:  # the parent is not in this machine's cache yet
             self.site.sync(run_id)
-            oid = self.local.write(ref, state, expected)
+            oid = self.write(ref, state, expected)
 
         def plan() -> tuple[list[Update], pygit2.Oid]:
             updates = [self.site.fence_update(run_id, fence)] if fence is not None else []
@@ -185,38 +187,54 @@ class RemoteCheckpointLog:
         self, ref: str, *, scenario_parts: dict[str, str] | None, offered: pygit2.Oid | None = None
     ) -> Stored:
         self.site.sync(run_of_ref(ref))
-        return self.local.load(ref, scenario_parts=scenario_parts, offered=offered)
+        return super().load(ref, scenario_parts=scenario_parts, offered=offered)
+
+    def chain(self, ref: str, limit: int | None = None) -> list[Stored]:
+        self.site.sync(run_of_ref(ref))
+        return super().chain(ref, limit)
 
 
-class RemoteReceiptLog:
-    """The receipt log on the remote: the branch move and its index entry in one push."""
+class RemoteReceiptLog(GitReceiptLog):
+    """The receipt log on the remote: the branch move and its index entry in one push.
 
-    def __init__(self, site: RemoteSite, run_id: str) -> None:
+    A :class:`GitReceiptLog` (the environment delegates to either) whose reads fetch
+    first and whose writes are atomic pushes; decoding and history walks are the same.
+    """
+
+    def __init__(self, site: RemoteSite, run_id: str, *, owner_reads: bool = False) -> None:
+        super().__init__(site.repo, run_id)
         self.site = site
-        self.run_id = run_id
-        self.local = GitReceiptLog(site.repo, run_id)
-        self.branch = branch_ref(run_id)
+        # The lease holder's own lookups (the environment's replay check) trust the cache
+        # once it was fetched: only the holder writes, every write it pushes is compared
+        # by the server, and a cache a takeover left stale fails that push, never a step.
+        self.owner_reads = owner_reads
+        self._fetched = False
 
     def head(self) -> str:
         self.site.sync(self.run_id)
-        return self.local.head()
+        return super().head()
 
     def lookup(self, key: str, since: str | None = None, *, repair: bool = True) -> Receipt | None:
-        self.site.sync(self.run_id)
-        found = self.local.lookup(key, since, repair=False)
+        if not (self.owner_reads and self._fetched):
+            self.site.sync(self.run_id)
+            self._fetched = True
+        found = super().lookup(key, since, repair=False)
         if found is not None and repair:
             self._index({key: found.commit})
         return found
 
     def receipts(self) -> list[Receipt]:
         self.site.sync(self.run_id)
-        return self.local.receipts()
+        return super().receipts()
+
+    def write_index(self, key: str, oid: pygit2.Oid) -> bool:
+        return self._index({key: str(oid)}) > 0
 
     def rebuild_index(self) -> int:
         self.site.sync(self.run_id)
         entries: dict[str, str] = {}
-        for commit in self.local.walk(self.local.tip(), None):
-            key = self.local.key_of(commit)
+        for commit in self.walk(self.tip(), None):
+            key = self.key_of(commit)
             if key is not None:
                 entries.setdefault(key, str(commit.id))
         return self._index(entries)
@@ -272,10 +290,10 @@ class RemoteReceiptLog:
         from gitrun.core.errors import ReceiptConflict, ReceiptDrift
 
         commit = self.site.repo.get(write)
-        receipt = self.local.receipt_of(commit) if isinstance(commit, pygit2.Commit) else None
+        receipt = self.receipt_of(commit) if isinstance(commit, pygit2.Commit) else None
         if receipt is None:
             raise ReceiptDrift("not-a-write", f"{write} is not a write commit of run {self.run_id}")
-        found = self.local.lookup(receipt.key, since=expected, repair=False)
+        found = GitReceiptLog.lookup(self, receipt.key, since=expected, repair=False)
         if found is None:
             if receipt.parent != expected:
                 raise ReceiptDrift(
@@ -287,17 +305,6 @@ class RemoteReceiptLog:
         if found.intent_digest != receipt.intent_digest:
             raise ReceiptConflict(found, receipt.intent_digest)
         return found, False
-
-    # -- what the environment adapter reads (the cache, fetched by the calls above) --------
-
-    def tip(self) -> pygit2.Commit:
-        return self.local.tip()
-
-    def receipt_of(self, commit: pygit2.Commit) -> Receipt | None:
-        return self.local.receipt_of(commit)
-
-    def key_of(self, commit: pygit2.Commit) -> str | None:
-        return self.local.key_of(commit)
 
 
 __all__ = ["RemoteCheckpointLog", "RemoteReceiptLog", "RemoteSite", "run_refspecs"]

@@ -23,7 +23,9 @@ command line: credentials come from the user's ssh agent (``SSH_AUTH_SOCK``) or 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,19 +117,25 @@ class Remote:
         for item in _CONFIG:
             cmd += ["-c", item]
         try:
-            return subprocess.run(
+            proc = subprocess.Popen(
                 [*cmd, *args],
                 env=git_env(),
-                capture_output=True,
-                text=True,
-                timeout=timeout_seconds(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
-                check=False,
+                text=True,
+                start_new_session=True,  # so a timeout ends git's helpers (ssh) with it
             )
-        except subprocess.TimeoutExpired as exc:
-            raise self.unavailable(what, f"no answer within {exc.timeout:.0f}s") from exc
         except OSError as exc:
             raise self.unavailable(what, f"git could not start: {exc}") from exc
+        try:
+            out, err = proc.communicate(timeout=timeout_seconds())
+        except subprocess.TimeoutExpired as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise self.unavailable(what, f"no answer within {exc.timeout:.0f}s") from exc
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def unavailable(self, what: str, detail: str) -> RemoteUnavailable:
         """The fail-closed error for a remote that could not do ``what``."""

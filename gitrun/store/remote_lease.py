@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import pygit2
 
@@ -25,8 +24,8 @@ from gitrun.core.errors import CasFailed, GitrunError, LeaseHeld, LeaseLost
 from gitrun.store import gitstore
 from gitrun.store.lease import (
     DEFAULT_DURATION,
-    Fence,
     Lease,
+    LeaseManager,
     _owner_lock_path,
     lease_ref,
     owner_alive,
@@ -35,56 +34,23 @@ from gitrun.store.lease import (
 from gitrun.store.remote import RemoteSite
 from gitrun.store.remote_git import Update
 
-if TYPE_CHECKING:
-    import filelock
-
 
 def _until(expires_at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(expires_at))
 
 
-class RemoteLeaseStore:
-    """Acquire, renew and release one run's lease on the remote for one worker."""
+class RemoteLeaseStore(LeaseManager):
+    """Acquire, renew and release one run's lease on the remote for one worker.
+
+    A :class:`LeaseManager` (the runtime drives either): the same record, owner lock and
+    fence, with every read fetched from the remote and every write a leased push.
+    """
 
     def __init__(
         self, site: RemoteSite, run_id: str, worker: str, duration: float = DEFAULT_DURATION
     ) -> None:
+        super().__init__(site.repo, run_id, worker, duration)
         self.site = site
-        self.repo = site.repo
-        self.run_id = run_id
-        self.worker = worker
-        gitstore.set_worker(worker)
-        self.duration = duration
-        self.lease: Lease | None = None
-        self._owner_lock: filelock.BaseFileLock | None = None
-
-    @property
-    def fence(self) -> Fence:
-        if self.lease is None:
-            raise LeaseLost(None, f"worker {self.worker} holds no lease on run {self.run_id}")
-        return Fence(self.worker, self.lease.lease_version)
-
-    def _claim_owner_lock(self) -> bool:
-        """This worker's OS owner lock on the run in this clone (False: another live
-        process of this machine works under the same worker id)."""
-        if self._owner_lock is not None:
-            return True
-        path = _owner_lock_path(self.repo, self.run_id, self.worker)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        import filelock
-
-        lock = filelock.FileLock(str(path), timeout=0)
-        try:
-            lock.acquire()
-        except filelock.Timeout:
-            return False
-        self._owner_lock = lock
-        return True
-
-    def _drop_owner_lock(self) -> None:
-        if self._owner_lock is not None:
-            self._owner_lock.release()
-            self._owner_lock = None
 
     def _known_dead(self, worker: str) -> bool:
         """True only for a worker that worked through this clone and whose process is gone."""
@@ -152,7 +118,7 @@ class RemoteLeaseStore:
             self._drop_owner_lock()
             raise self._lost_race()
         self.site.cache([update])
-        self.lease = lease
+        self.lease, self._oid = lease, blob
         return lease
 
     def _lost_race(self) -> LeaseHeld:
@@ -203,11 +169,6 @@ class RemoteLeaseStore:
 
         self.lease = self.site.transact(self.run_id, plan, f"renewing run {self.run_id}'s lease")
         return self.lease
-
-    def maybe_renew(self, state_version: int | None = None) -> None:
-        """Renew when a third of the lease has passed (cheap to call often)."""
-        if self.lease is not None and self.lease.expires_at - time.time() < self.duration * 2 / 3:
-            self.renew(state_version)
 
     def release(self) -> None:
         """Give the lease up (expire it now, keep its version); a lost lease is left alone."""
