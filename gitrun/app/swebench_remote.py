@@ -40,7 +40,7 @@ from gitrun.app.swebench_run import (
 )
 from gitrun.app.workspace import Workspace, check_run_id
 from gitrun.core.codec import digest
-from gitrun.core.errors import GitrunError
+from gitrun.core.errors import GitrunError, KeyFileError
 from gitrun.store.keys import load_keyring
 from gitrun.store.receipts import branch_ref
 
@@ -217,6 +217,12 @@ def run_shared(ctx: Context, jobs: list[Job], manifest: dict[str, Any], workers:
                    Path(ctx.key_file) if ctx.key_file else None)  # fmt: skip
     url = str(ctx.remote)
     git_dir = ws.root / "swebench-remote" / f"{digest(url).split(':')[-1][:16]}.git"
+    if not ws.key_file.is_file():
+        raise KeyFileError(
+            f"the batch's shared key {ws.key_file} does not exist: every worker of a --remote "
+            "batch signs and checks results with one key; copy it here (mode 0600) or, for a "
+            f"new batch, create it with `gitrun keys rotate --key-file {ws.key_file}`"
+        )
     keyring = load_keyring(ws.key_file, create=False)  # the batch's shared key, never made here
     from gitrun.store.lease import default_worker_id
 
