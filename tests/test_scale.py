@@ -166,7 +166,10 @@ def test_three_workers_through_a_remote_evaluate_each_instance_once_despite_kill
         killed = a.start(inputs, "b1", *shared, GITRUN_CRASH_AT="write_ref_moved")
         stopped = b.start(inputs, "b1", *shared, GITRUN_PAUSE_AT="after_verify")
         time.sleep(0.5)
-        survivor = c.start(inputs, "b1", *shared, "--max-workers", "2")  # two processes
+        # c: two processes, its remote from its workspace's config.toml
+        (c.root / "workspace").mkdir()
+        (c.root / "workspace" / "config.toml").write_text(f"remote = {json.dumps(url)}\n")
+        survivor = c.start(inputs, "b1", "--lease-seconds", LEASE, "--max-workers", "2")
         assert killed.wait(timeout=60) == -signal.SIGKILL
         deadline = time.monotonic() + 60
         while os.waitid(os.P_PID, stopped.pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT) is None:
@@ -249,7 +252,10 @@ def test_a_worker_deriving_another_queue_for_the_batch_is_refused_by_name(
     assert res.returncode == 0, res.stderr
     assert first.report("q")["empty_patch_instances"] == 6
     before = remote_refs(bare)
-    res = other.run((dataset, preds), "q", "--remote", url)
+    # (this worker's remote is its workspace's default one, from its config.toml)
+    (other.root / "workspace").mkdir()
+    (other.root / "workspace" / "config.toml").write_text(f"remote = {json.dumps(url)}\n")
+    res = other.run((dataset, preds), "q")
     assert res.returncode == 2, res.stderr
     line = one_line(res.stderr)
     assert "batch q on the remote holds another queue" in line

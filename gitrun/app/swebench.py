@@ -18,6 +18,7 @@ from typing import Any
 
 from gitrun.app.swebench_progress import Display, Lines, display
 from gitrun.app.swebench_run import BUSY, Context, Job, evaluate
+from gitrun.app.workspace import Workspace
 from gitrun.core import swebench
 from gitrun.core.errors import BadInput
 from gitrun.core.swebench import Instance, RepoSpec
@@ -185,6 +186,8 @@ def run_batch(
     ``report_file`` and a one-line summary (``line``) added. Progress goes to ``say`` (or a
     rich bar on a terminal); ``None`` is silent."""
     instances, jobs, submitted = plan_jobs(req)
+    if req.remote is None:  # the workspace's config.toml may name the batch's remote
+        req = replace(req, remote=Workspace(workspace, key_file).config_remote)
     ctx = _context(req, workspace, key_file)
     results: dict[str, str] = {}
     counts = {"done": 0, "resolved": 0, "errors": 0}

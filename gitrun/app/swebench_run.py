@@ -124,9 +124,19 @@ def _write_task(ws: Workspace, rid: str, files: dict[str, bytes]) -> Path:
     return task_dir
 
 
+class _SharedBatchWorkspace(Workspace):
+    """A shared batch's worker keeps each instance's run here, whatever the workspace's
+    config says: the batch's remote gets the results (and the runs' branches)."""
+
+    @property
+    def config_remote(self) -> str | None:
+        return None
+
+
 def _options(ctx: Context) -> Options:
-    ws = Workspace(Path(ctx.workspace) if ctx.workspace else None,
-                   Path(ctx.key_file) if ctx.key_file else None)  # fmt: skip
+    kind = Workspace if ctx.remote is None else _SharedBatchWorkspace
+    ws = kind(Path(ctx.workspace) if ctx.workspace else None,
+              Path(ctx.key_file) if ctx.key_file else None)  # fmt: skip
     return Options(ws, lease_seconds=ctx.lease_seconds, takeover_after=ctx.takeover_after)
 
 
