@@ -12,7 +12,7 @@ Two measurements, each on fresh runs (fsync on, the same small repository):
 Reported: median and p95 in ms, and the remote/local ratio of the medians. The remote
 runs are loopback: a real network adds its round trip to every push and fetch.
 
-    python benchmarks/bench_remote.py [--steps 40] [--advances 60]
+    python benchmarks/bench_remote.py [--quick] [--steps 40] [--advances 60]
 """
 
 from __future__ import annotations
@@ -156,7 +156,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--advances", type=int, default=60)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 8 steps, 10 advances")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.advances = 8, 10
     pressure = c.Pressure()
     with c.bench_dir("gitrun-bench-remote-") as root:
         served = root / "served"

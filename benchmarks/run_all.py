@@ -26,6 +26,7 @@ SCRIPTS = {
     "startup": "bench_startup.py",
     "session": "bench_session.py",
     "swebench": "bench_swebench.py",
+    "remote": "bench_remote.py",
 }
 BLOCK = re.compile(r"<!-- bench:(\w+):begin -->\n(.*?)<!-- bench:\1:end -->", re.S)
 

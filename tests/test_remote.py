@@ -160,6 +160,7 @@ def test_git_does_not_check_a_lease_on_a_ref_the_push_leaves_unchanged(world: Wo
 RACER = """
 import json, sys, time
 from pathlib import Path
+import pygit2
 sys.path.insert(0, sys.argv[5])
 from conformance.stores import REF, RUN, _ring, sample_state
 from gitrun.core.errors import CasFailed, LeaseHeld
@@ -167,15 +168,20 @@ from gitrun.store import gitstore
 from gitrun.store.lease import Fence
 from gitrun.store.remote import RemoteCheckpointLog, RemoteSite
 from gitrun.store.remote_lease import RemoteLeaseStore
-mode, clone, url, start = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+mode, clone, url, barrier = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
 site = RemoteSite(gitstore.open_repo(clone), url)
 log = RemoteCheckpointLog(site, _ring("racer"))
-head = log.head(REF) if mode == "cas" else None
-while time.time() < start:
+expected = pygit2.Oid(hex=sys.argv[7]) if mode == "cas" else None
+log.head(REF)  # warm: imports done, the cache fetched, before the start line
+(barrier / ("ready-" + Path(clone).name)).touch()
+while not (barrier / "go").exists():
     time.sleep(0.001)
+start = float((barrier / "go").read_text())
+while time.time() < start:
+    pass
 try:
     if mode == "cas":
-        log.advance(REF, sample_state(2, cursor=int(sys.argv[6])), head, Fence("w1", 1))
+        log.advance(REF, sample_state(2, cursor=int(sys.argv[6])), expected, Fence("w1", 1))
     else:
         RemoteLeaseStore(site, RUN, sys.argv[6]).acquire(0)
     print(json.dumps("won"))
@@ -184,10 +190,14 @@ except (CasFailed, LeaseHeld) as exc:
 """
 
 
-def _race(world: World, mode: str, names: list[str], extra: list[str]) -> list[str]:
-    """Start one real process per machine at the same instant; what each reports."""
+def _race(
+    world: World, mode: str, names: list[str], extra: list[str], expected: str = ""
+) -> list[str]:
+    """Start one real process per machine at the same instant; what each reports. Each
+    racer is handed the head it expects: a slow start must not make it read the winner's."""
     tests = str(Path(__file__).resolve().parent)
-    start = time.time() + 1.5
+    barrier = world.tmp / f"barrier-{mode}"
+    barrier.mkdir()
     procs = [
         subprocess.Popen(
             [
@@ -197,15 +207,24 @@ def _race(world: World, mode: str, names: list[str], extra: list[str]) -> list[s
                 mode,
                 str(world.tmp / name),
                 world.url,
-                str(start),
+                str(barrier),
                 tests,
                 arg,
+                expected,
             ],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
         )
         for name, arg in zip(names, extra, strict=True)
     ]
+    deadline = time.monotonic() + 30
+    while len(list(barrier.glob("ready-*"))) < len(names) and time.monotonic() < deadline:
+        if any(proc.poll() is not None for proc in procs):
+            break
+        time.sleep(0.01)
+    (barrier / "go.tmp").write_text(str(time.time() + 0.2))
+    (barrier / "go.tmp").rename(barrier / "go")  # both racers spin until the same instant
     out = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=30)
@@ -223,7 +242,7 @@ def test_two_machines_racing_one_checkpoint_cas_through_the_remote_see_exactly_o
         REF, sample_state(1), None, owner.fence
     )
     world.machine("b")
-    results = _race(world, "cas", ["a", "b"], ["11", "22"])
+    results = _race(world, "cas", ["a", "b"], ["11", "22"], str(first))
     assert sorted(results) == ["CasFailed", "won"]
     winner = world.remote_ref(REF)
     assert winner is not None
@@ -326,3 +345,28 @@ def test_a_remote_that_accepts_but_never_answers_times_out_and_fails_closed(
     assert url in str(caught.value)
     assert world.remote_ref(lease_ref(RUN)) is None
     assert gitstore.read_ref(a.repo, lease_ref(RUN)) is None
+
+
+def test_syncing_a_run_never_touches_the_branch_of_a_run_whose_id_extends_it(
+    world: World,
+) -> None:
+    a = world.machine("a")
+    other = "refs/heads/gitrun/" + RUN + "0"  # a local run of this machine, not on the remote
+    hermetic_git("-C", str(Path(a.repo.workdir)), "update-ref", other, world.base)
+    theirs = "refs/heads/gitrun/" + RUN + "1"  # and one the remote has at another commit
+    hermetic_git(f"--git-dir={world.bare}", "update-ref", theirs, world.base)
+    RemoteLeaseStore(a, RUN, "w1").acquire(0)
+    a.sync(RUN)
+    assert str(gitstore.read_ref(a.repo, other)) == world.base
+    assert gitstore.read_ref(a.repo, theirs) is None
+    assert str(gitstore.read_ref(a.repo, "refs/heads/gitrun/" + RUN)) == world.base
+
+
+def test_evidence_waiting_in_this_machine_s_inbox_survives_a_sync(world: World) -> None:
+    a = world.machine("a")
+    inbox = f"refs/gitrun/runs/{RUN}/inbox/approval"
+    hermetic_git("-C", str(Path(a.repo.workdir)), "update-ref", inbox, world.base)
+    RemoteLeaseStore(a, RUN, "w1").acquire(0)
+    a.sync(RUN)
+    assert str(gitstore.read_ref(a.repo, inbox)) == world.base
+    assert world.remote_ref(inbox) is None

@@ -72,7 +72,7 @@ def publish(site: RemoteSite, record: RunRecord, task: Task, fence: Fence) -> No
 
     def plan() -> tuple[list[Update], None]:
         updates = [site.fence_update(record.run_id, fence)]
-        tip = gitstore.read_ref(site.repo, branch) if fresh[0] else None
+        tip = site.branch_on_remote(record.run_id) if fresh[0] else None
         if tip is None:
             updates.append(Update(branch, base, None))
         elif str(tip) != base:

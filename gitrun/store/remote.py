@@ -43,7 +43,7 @@ from gitrun.store import gitstore
 from gitrun.store.checkpoint import CheckpointStore, Stored, run_of_ref
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, fence_guard, read_lease
-from gitrun.store.receipts import GitReceiptLog, index_ref
+from gitrun.store.receipts import GitReceiptLog, branch_ref, index_ref
 from gitrun.store.remote_git import Rejected, Remote, Update
 
 T = TypeVar("T")
@@ -51,12 +51,24 @@ MAX_PUSHES = 4  # re-planned pushes before a remote that keeps refusing is calle
 
 
 def run_refspecs(run_id: str) -> list[str]:
-    """The refspecs that bring one run's refs (control refs and branch) into the cache."""
+    """The refspecs that bring one run's refs (control refs and branch) into the cache.
+
+    The branch comes by a glob (an exact name that does not exist yet fails the whole
+    fetch), which also matches runs whose id extends this one; so it lands in a private
+    mirror namespace, pruned on its own, never over another run's local branch.
+    """
     return [
         f"+refs/gitrun/runs/{run_id}/*:refs/gitrun/runs/{run_id}/*",
-        # A glob (it may not exist yet); it also matches runs whose id extends this one.
-        f"+refs/heads/gitrun/{run_id}*:refs/heads/gitrun/{run_id}*",
+        # Evidence waiting for the runtime stays this machine's (approvals and reviews do
+        # not travel through the remote yet): neither fetched over nor pruned.
+        f"^refs/gitrun/runs/{run_id}/inbox/*",
+        f"+refs/heads/gitrun/{run_id}*:{mirror_ref(run_id)}*",
     ]
+
+
+def mirror_ref(run_id: str) -> str:
+    """Where a fetch puts the remote's value of the run's branch (absent: it has none)."""
+    return f"refs/gitrun/remote-branches/{run_id}/branch"
 
 
 def _hex(oid: pygit2.Oid | None) -> str | None:
@@ -75,8 +87,18 @@ class RemoteSite:
         return self.remote.url
 
     def sync(self, run_id: str) -> None:
-        """Bring the cache up to the remote for ``run_id`` (RemoteUnavailable if it can't)."""
+        """Bring the cache up to the remote for ``run_id`` (RemoteUnavailable if it can't).
+
+        The local branch is set to the remote's when the remote has one; a branch the
+        remote lacks is left alone (a new run's, not yet published)."""
         self.remote.fetch(run_refspecs(run_id), f"reading run {run_id}")
+        there = gitstore.read_ref(self.repo, mirror_ref(run_id))
+        if there is not None:
+            self.cache([Update(branch_ref(run_id), str(there), None)])
+
+    def branch_on_remote(self, run_id: str) -> pygit2.Oid | None:
+        """The remote's value of the run's branch as last fetched (None: it has none)."""
+        return gitstore.read_ref(self.repo, mirror_ref(run_id))
 
     def fence_update(self, run_id: str, fence: Fence) -> Update:
         """The lease move every fenced push carries, refused (LeaseLost) unless ``fence`` is
@@ -307,4 +329,4 @@ class RemoteReceiptLog(GitReceiptLog):
         return found, False
 
 
-__all__ = ["RemoteCheckpointLog", "RemoteReceiptLog", "RemoteSite", "run_refspecs"]
+__all__ = ["RemoteCheckpointLog", "RemoteReceiptLog", "RemoteSite", "mirror_ref", "run_refspecs"]

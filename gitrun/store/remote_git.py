@@ -155,7 +155,6 @@ class Remote:
                 "--prune",
                 "--no-tags",
                 "--no-write-fetch-head",
-                "--update-head-ok",  # the run's branch is checked out in its worktree
                 "--no-recurse-submodules",
                 "--",
                 self.url,
