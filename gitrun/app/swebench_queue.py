@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pygit2
+from filelock import FileLock
 
 from gitrun.core.codec import canonical_bytes
 from gitrun.core.errors import BadInput, CheckpointRejected
@@ -35,6 +36,7 @@ from gitrun.store.remote_git import Remote, Update
 PREFIX = "refs/gitrun/swebench"
 CACHE = "refs/gitrun/swebench-cache"  # this worker's copy of the remote's queue refs
 CLAIMED, DONE = "claimed", "done"
+LOG_FILES = frozenset({"report.json", "test_output.txt", "gitrun.json"})
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class Queue:
     def refresh(self) -> dict[str, Entry]:
         """Every instance run's state as the remote has it now (one fetch)."""
         spec = f"+{PREFIX}/{self.batch}/*:{CACHE}/{self.batch}/*"
-        self.remote.fetch([spec], f"reading batch {self.batch}'s queue")
+        with FileLock(f"{self.repo.path.rstrip('/')}.lock"):  # two workers of one workspace
+            self.remote.fetch([spec], f"reading batch {self.batch}'s queue")
         out: dict[str, Entry] = {}
         runs = f"{CACHE}/{self.batch}/runs/"
         for name in self.repo.references:
@@ -126,9 +129,10 @@ class Queue:
             )  # fmt: skip
 
     def files(self, entry: Entry) -> dict[str, bytes]:
-        """The log files a DONE entry's tree holds."""
+        """The log files a DONE entry's tree holds (only those a worker writes)."""
         tree = self.repo[entry.oid].peel(pygit2.Commit).tree
-        return {str(e.name): self.repo[e.id].peel(pygit2.Blob).data for e in tree}
+        return {str(e.name): self.repo[e.id].peel(pygit2.Blob).data
+                for e in tree if e.name in LOG_FILES}  # fmt: skip
 
     def _commit(self, rid: str, doc: dict[str, Any], parent: Entry | None,
                 files: dict[str, bytes] | None = None) -> str:  # fmt: skip
