@@ -413,7 +413,7 @@ def swebench_cmd(
     as_json: JsonOpt = False,
     workspace: WorkspaceOpt = None,
     key_file: KeyFileOpt = None,
-    remote: Annotated[str | None, typer.Option("--remote", help="Share via this git URL.")] = None,
+    remote: RemoteOpt = None,
     lease_seconds: LeaseOpt = 30.0,
 ) -> None:
     """Evaluate SWE-bench predictions, one gitrun run per instance."""
