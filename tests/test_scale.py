@@ -289,3 +289,34 @@ def test_a_result_on_the_remote_not_signed_with_the_batch_key_is_refused_never_r
     line = one_line(res.stderr)
     assert "not signed by this batch's checkpoint key" in line
     assert not (late.root / "out" / "m.f.json").exists()
+
+
+def test_a_claim_taken_over_after_expiry_can_neither_renew_nor_land(
+    tmp_path: Path, shared_key: Path, git_daemon: Daemon
+) -> None:
+    """The queue's compare-and-swaps, two workers in one process (real pushes to the daemon)."""
+    from gitrun.app.swebench_queue import DONE, Queue
+
+    url = git_daemon.bare("batch.git")
+    bare = Path(git_daemon.path_url("batch.git"))
+    keyring = load_keyring(shared_key, create=False)
+    old, new = (Queue(url, tmp_path / f"{w}.git", "q", keyring, w, 1.0) for w in ("old", "new"))
+    held = old.claim("r1", None)
+    assert held is not None
+    assert new.claim("r1", new.refresh()["r1"]) is None  # live: not taken
+    assert new.claim("r1", None) is None  # a stale view: the remote refuses the create
+    time.sleep(1.1)
+    taken = new.claim("r1", new.refresh()["r1"])  # expired: taken over
+    assert taken is not None
+    before = remote_refs(bare)
+    assert old.renew("r1", held) is None
+    files = {"report.json": b"{}\n", "test_output.txt": b"", "gitrun.json": b"{}\n"}
+    assert old.land("r1", held, "resolved", files, None) is None
+    assert remote_refs(bare) == before  # nothing of the stale worker landed
+    done = new.land("r1", taken, "unresolved", files, None)
+    assert done is not None
+    entry = old.refresh()["r1"]  # the MAC checks out for any holder of the key
+    assert (entry.state, entry.owner, (entry.result or {})["result"]) == (DONE, "new", "unresolved")
+    assert [h["owner"] for h in queue_history(bare, f"{PREFIX}/q/runs/r1")] == [
+        "old", "new", "new"
+    ]  # fmt: skip
