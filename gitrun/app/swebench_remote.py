@@ -141,10 +141,11 @@ class Shared:
                 return
             claimed = pool.free() and self._claim(order, entries, pool, heart)
             if not (landed or claimed):
-                time.sleep(min(0.25, self.queue.ttl / 8))  # idle: poll (one fetch)
-            elif claimed and time.monotonic() - fetched < self.queue.ttl / 4:
-                continue  # busy: a stale view costs at most a rejected claim, then a fetch
-            entries, fetched = self.queue.refresh(), time.monotonic()
+                time.sleep(min(0.25, self.queue.ttl / 8))
+            busy = landed or claimed or not pool.free()
+            if busy and time.monotonic() - fetched < self.queue.ttl / 4:
+                continue  # a stale view costs at most a rejected claim, then a fetch
+            entries, fetched = self.queue.refresh(), time.monotonic()  # idle: poll
 
     def _take_in(self, entries: dict[str, Entry]) -> None:
         """Report (and write the files of) every instance newly done on the remote."""
