@@ -272,7 +272,8 @@ def test_a_result_on_the_remote_not_signed_with_the_batch_key_is_refused_never_r
     rows = [{"instance_id": r["instance_id"], "model_name_or_path": "m", "model_patch": r["patch"]}
             for r in records]  # fmt: skip
     inputs[1].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    url = git_daemon.bare("batch.git")
+    git_daemon.bare("batch.git")
+    url = git_daemon.path_url("batch.git")  # this one over a file path
     bare = Path(git_daemon.path_url("batch.git"))
     res = Machine.make(tmp_path / "a", envs, shared_key).run(inputs, "f", "--remote", url)
     assert res.returncode == 0, res.stderr
