@@ -321,3 +321,8 @@ def test_a_claim_taken_over_after_expiry_can_neither_renew_nor_land(
     assert [h["owner"] for h in queue_history(bare, f"{PREFIX}/q/runs/r1")] == [
         "old", "new", "new"
     ]  # fmt: skip
+    # a worker leaving early gives its claim back: another takes it at once, no expiry
+    mine = old.claim("r2", None)
+    assert mine is not None
+    old.release("r2", mine)
+    assert new.claim("r2", new.refresh()["r2"]) is not None

@@ -169,8 +169,13 @@ class Queue:
         """Extend our claim; None when it was taken over (we must land nothing)."""
         return self._move(rid, held, held.version + 1)
 
-    def _move(self, rid: str, old: Entry | None, version: int) -> Entry | None:
-        expires = time.time() + self.ttl
+    def release(self, rid: str, held: Entry) -> None:
+        """Give the instance back (expired now), so another worker takes it at once."""
+        self._move(rid, held, held.version + 1, ttl=0.0)
+
+    def _move(self, rid: str, old: Entry | None, version: int,
+              ttl: float | None = None) -> Entry | None:  # fmt: skip
+        expires = time.time() + (self.ttl if ttl is None else ttl)
         doc = {"state": CLAIMED, "owner": self.worker, "version": version, "expires_at": expires}
         oid = self._commit(rid, doc, old)
         refused = self.remote.push([Update(self.ref(rid), oid, old.oid if old else None)],

@@ -40,7 +40,7 @@ from gitrun.app.swebench_run import (
 )
 from gitrun.app.workspace import Workspace, check_run_id
 from gitrun.core.codec import digest
-from gitrun.core.errors import GitrunError, KeyFileError
+from gitrun.core.errors import GitrunError, KeyFileError, RemoteUnavailable
 from gitrun.store.keys import load_keyring
 from gitrun.store.receipts import branch_ref
 
@@ -71,6 +71,18 @@ class Heartbeat(threading.Thread):
         """Our claim on ``rid`` as it stands (None: lost); no longer renewed."""
         with self.lock:
             return self.held.pop(rid, None)
+
+    def give_back(self) -> None:
+        """Stop, and give back every claim still held (the worker is leaving early)."""
+        self.stopping.set()
+        with self.lock:
+            for rid, entry in self.held.items():
+                if entry is not None:
+                    try:
+                        self.queue.release(rid, entry)
+                    except GitrunError:
+                        continue  # unreachable: the claim expires in its own time
+            self.held.clear()
 
     def run(self) -> None:
         while not self.stopping.wait(self.every):
@@ -241,7 +253,11 @@ def run_shared(ctx: Context, jobs: list[Job], manifest: dict[str, Any], workers:
     heart.start()
     try:
         shared.loop(pool, heart, entries)
+    except RemoteUnavailable:
+        with heart.lock:  # unreachable: no giving back, the claims expire in their time
+            heart.held.clear()
+        raise
     finally:
-        heart.stopping.set()
-        pool.close()
+        pool.close()  # (a worker leaving early, Ctrl-C say: its runs resume locally later)
+        heart.give_back()
     return shared.results
