@@ -27,6 +27,7 @@ SCRIPTS = {
     "session": "bench_session.py",
     "swebench": "bench_swebench.py",
     "remote": "bench_remote.py",
+    "scale": "bench_scale.py",
 }
 BLOCK = re.compile(r"<!-- bench:(\w+):begin -->\n(.*?)<!-- bench:\1:end -->", re.S)
 

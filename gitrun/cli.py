@@ -413,9 +413,12 @@ def swebench_cmd(
     as_json: JsonOpt = False,
     workspace: WorkspaceOpt = None,
     key_file: KeyFileOpt = None,
+    remote: RemoteOpt = None,
+    lease_seconds: LeaseOpt = 30.0,
 ) -> None:
     """Evaluate SWE-bench predictions, one gitrun run per instance."""
-    req = swebench.Request(dataset, predictions, repos, run_id, workers, ids, report_dir)
+    req = swebench.Request(dataset, predictions, repos, run_id, workers, ids, report_dir,
+                           remote=remote, lease_seconds=lease_seconds)  # fmt: skip
     report = swebench.run_batch(req, workspace, key_file, None if as_json else _say)
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
 

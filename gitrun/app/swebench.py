@@ -12,12 +12,13 @@ import json
 import multiprocessing
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from gitrun.app.swebench_progress import Display, Lines, display
 from gitrun.app.swebench_run import BUSY, Context, Job, evaluate
+from gitrun.app.workspace import Workspace
 from gitrun.core import swebench
 from gitrun.core.errors import BadInput
 from gitrun.core.swebench import Instance, RepoSpec
@@ -37,6 +38,8 @@ class Request:
     instance_ids: Sequence[str] | None = None
     report_dir: Path = Path()
     specs: Path | None = None  # default: REPOS/gitrun-swebench.json
+    remote: str | None = None  # shared with workers elsewhere through this git remote
+    lease_seconds: float = 30.0  # how long an instance's claim (and run lease) lasts
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -78,9 +81,14 @@ def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
 
 
 def _context(req: Request, workspace: Path | None, key_file: Path | None) -> Context:
-    return Context(req.run_id, str(req.repos.resolve()), str(req.report_dir.resolve()),
-                   str(workspace.resolve()) if workspace else None,
-                   str(key_file.resolve()) if key_file else None)  # fmt: skip
+    """With a remote, ``lease_seconds`` is the claim's (other machines take an instance
+    over), and each run's own lease (this workspace's alone) keeps its default."""
+    ctx = Context(req.run_id, str(req.repos.resolve()), str(req.report_dir.resolve()),
+                  str(workspace.resolve()) if workspace else None,
+                  str(key_file.resolve()) if key_file else None)  # fmt: skip
+    if req.remote is None:
+        return replace(ctx, lease_seconds=req.lease_seconds)
+    return replace(ctx, remote=req.remote, claim_seconds=req.lease_seconds)
 
 
 _started: Any = None  # in a worker process: the queue its instance ids go to as they start
@@ -145,6 +153,24 @@ def _map(
             yield out
 
 
+def _shared(ctx: Context, req: Request, instances: list[Instance], jobs: list[Job],
+            submitted: list[str], show: Display, shown: Callable[[dict[str, Any]], None],
+            counts: dict[str, int]) -> None:  # fmt: skip
+    """The batch shared with other workers through ``req.remote``."""
+    from gitrun.app.swebench_remote import run_shared
+
+    def said(iid: str, out: dict[str, Any] | None) -> None:
+        if out is None:
+            show.running(iid, counts)
+        elif out["result"] == "lost":
+            show.update(out, counts)
+        else:
+            shown(out)
+
+    manifest = {"instances": [i.instance_id for i in instances], "submitted": submitted}
+    run_shared(ctx, jobs, manifest, req.max_workers, said)
+
+
 class _Silent(Lines):
     def __init__(self) -> None:
         super().__init__(lambda _: None)
@@ -160,18 +186,27 @@ def run_batch(
     ``report_file`` and a one-line summary (``line``) added. Progress goes to ``say`` (or a
     rich bar on a terminal); ``None`` is silent."""
     instances, jobs, submitted = plan_jobs(req)
+    if req.remote is None:  # the workspace's config.toml may name the batch's remote
+        req = replace(req, remote=Workspace(workspace, key_file).config_remote)
     ctx = _context(req, workspace, key_file)
     results: dict[str, str] = {}
     counts = {"done": 0, "resolved": 0, "errors": 0}
     show: Display = _Silent() if say is None else display(say)
     show.start(len(jobs))
+
+    def shown(out: dict[str, Any]) -> None:
+        results[out["instance_id"]] = out["result"]
+        counts["done"] += 1
+        counts["resolved"] += out["result"] == "resolved"
+        counts["errors"] += out["result"] == "error"
+        show.update(out, counts)
+
     try:
-        for out in _rounds(ctx, jobs, req.max_workers, lambda iid: show.running(iid, counts)):
-            results[out["instance_id"]] = out["result"]
-            counts["done"] += 1
-            counts["resolved"] += out["result"] == "resolved"
-            counts["errors"] += out["result"] == "error"
-            show.update(out, counts)
+        if req.remote is not None:
+            _shared(ctx, req, instances, jobs, submitted, show, shown, counts)
+        else:
+            for out in _rounds(ctx, jobs, req.max_workers, lambda i: show.running(i, counts)):
+                shown(out)
     finally:
         show.stop()
     report = swebench.run_report(instances, submitted, results)

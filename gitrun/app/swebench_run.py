@@ -43,6 +43,8 @@ class Context:
     key_file: str | None
     lease_seconds: float = 30.0
     takeover_after: float | None = None
+    remote: str | None = None  # a shared batch: its results land on this git remote
+    claim_seconds: float = 30.0  # with ``remote``: how long a claim on an instance lasts
 
 
 @dataclass(frozen=True)
@@ -122,9 +124,19 @@ def _write_task(ws: Workspace, rid: str, files: dict[str, bytes]) -> Path:
     return task_dir
 
 
+class _SharedBatchWorkspace(Workspace):
+    """A shared batch's worker keeps each instance's run here, whatever the workspace's
+    config says: the batch's remote gets the results (and the runs' branches)."""
+
+    @property
+    def config_remote(self) -> str | None:
+        return None
+
+
 def _options(ctx: Context) -> Options:
-    ws = Workspace(Path(ctx.workspace) if ctx.workspace else None,
-                   Path(ctx.key_file) if ctx.key_file else None)  # fmt: skip
+    kind = Workspace if ctx.remote is None else _SharedBatchWorkspace
+    ws = kind(Path(ctx.workspace) if ctx.workspace else None,
+              Path(ctx.key_file) if ctx.key_file else None)  # fmt: skip
     return Options(ws, lease_seconds=ctx.lease_seconds, takeover_after=ctx.takeover_after)
 
 
@@ -140,7 +152,8 @@ def evaluate(ctx: Context, job: Job) -> dict[str, Any]:
         if exc.exit_code in (Exit.OWNED, Exit.CONFLICT, Exit.LEASE_LOST):
             return {"instance_id": inst.instance_id, "result": BUSY, "reason": str(exc)}
         out |= {"result": ERROR, "reason": str(exc), "applied": False, "outcomes": None}
-    _write_reports(ctx, job, out)
+    if ctx.remote is None:  # a shared batch writes them from what lands on the remote
+        _write_reports(ctx, job, out)
     return out
 
 
@@ -191,19 +204,25 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
             "output_log": str(kept)}  # fmt: skip
 
 
-def _write_reports(ctx: Context, job: Job, out: dict[str, Any]) -> None:
-    where = log_dir(ctx, job.pred.model, job.inst.instance_id)
+def report_files(job: Job, out: dict[str, Any]) -> dict[str, bytes]:
+    """The instance's log files (``report.json``, ``test_output.txt``, ``gitrun.json``)."""
     report = swebench.instance_report(job.inst, job.pred.patch, out["applied"], out["outcomes"])
-    atomic_write(
-        where / "report.json", (json.dumps(report, indent=4) + "\n").encode(), parent_mode=0o755
-    )
-    atomic_write(where / "test_output.txt", _test_output(out), parent_mode=0o755)
     meta = {k: v for k, v in out.items() if k not in ("outcomes", "output_log")}
-    atomic_write(
-        where / "gitrun.json",
-        (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
-        parent_mode=0o755,
-    )
+    return {
+        "report.json": (json.dumps(report, indent=4) + "\n").encode(),
+        "test_output.txt": _test_output(out),
+        "gitrun.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
+    }
+
+
+def write_files(where: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        if not (where / name).is_file() or (where / name).read_bytes() != data:
+            atomic_write(where / name, data, parent_mode=0o755)
+
+
+def _write_reports(ctx: Context, job: Job, out: dict[str, Any]) -> None:
+    write_files(log_dir(ctx, job.pred.model, job.inst.instance_id), report_files(job, out))
 
 
 def _test_output(out: dict[str, Any]) -> bytes:

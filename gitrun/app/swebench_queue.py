@@ -1,0 +1,214 @@
+"""The queue of a SWE-bench batch shared through one git remote: claims, takeovers, results.
+
+On the remote, batch ``B`` is ``refs/gitrun/swebench/B/manifest`` (the queue every worker
+derives from the same inputs, written once) and one ref per instance run ``R``,
+``refs/gitrun/swebench/B/runs/R``, whose commits are that instance's history: a claim
+(owner, version, expiry), its renewals, a takeover once it expired, and last the one
+``done`` commit whose tree holds the instance's log files. Every move of such a ref is a
+``git push --atomic --force-with-lease`` on its old value: claiming is a compare-and-swap,
+and a result lands in the same push as the run's branch (which must not exist yet),
+fenced by the worker's own claim. A worker whose claim was taken over (killed, or stopped
+past its expiry) lands nothing: its push is rejected as a whole.
+
+Done records carry an HMAC with the batch's shared checkpoint key; a result without a
+valid one is refused, never reported. Expiry compares the holder's clock with the
+reader's: keep the workers' clocks within a fraction of the lease (NTP).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pygit2
+from filelock import FileLock
+
+from gitrun.core.codec import canonical_bytes
+from gitrun.core.errors import BadInput, CheckpointRejected
+from gitrun.store.atomicfile import atomic_write
+from gitrun.store.keys import Keyring
+from gitrun.store.remote_git import Remote, Update
+
+PREFIX = "refs/gitrun/swebench"
+CACHE = "refs/gitrun/swebench-cache"  # this worker's copy of the remote's queue refs
+CLAIMED, DONE = "claimed", "done"
+LOG_FILES = frozenset({"report.json", "test_output.txt", "gitrun.json"})
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One instance run's state on the remote: its ref's head commit, decoded."""
+
+    oid: str
+    state: str  # CLAIMED or DONE
+    owner: str
+    version: int
+    expires_at: float
+    result: dict[str, Any] | None = None  # DONE: what the instance came to
+
+    def live(self, now: float) -> bool:
+        return self.state == CLAIMED and now < self.expires_at
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sig() -> pygit2.Signature:
+    return pygit2.Signature("gitrun", "gitrun@gitrun.invalid", int(time.time()), 0)
+
+
+class Queue:
+    """Batch ``batch``'s queue on ``url``, through a local bare repository that caches it."""
+
+    def __init__(self, url: str, git_dir: Path, batch: str, keyring: Keyring, worker: str,
+                 lease_seconds: float) -> None:  # fmt: skip
+        self.batch, self.keyring, self.worker, self.ttl = batch, keyring, worker, lease_seconds
+        if not (git_dir / "HEAD").is_file():
+            pygit2.init_repository(str(git_dir), bare=True)
+        self.repo = pygit2.Repository(str(git_dir))
+        self.remote = Remote(url, git_dir)
+
+    def ref(self, rid: str) -> str:
+        return f"{PREFIX}/{self.batch}/runs/{rid}"
+
+    def _cached(self, name: str) -> str:
+        return CACHE + name.removeprefix(PREFIX)
+
+    def borrow(self, object_dirs: list[Path]) -> None:
+        """Let pushes send objects of these repositories (each worker's own clones)."""
+        path = Path(self.repo.path) / "objects" / "info" / "alternates"
+        have = path.read_text().split("\n") if path.is_file() else []
+        want = sorted({*filter(None, have), *(str(d.resolve()) for d in object_dirs)})
+        if want != sorted(filter(None, have)):
+            atomic_write(path, ("\n".join(want) + "\n").encode())
+            self.repo = pygit2.Repository(self.repo.path)  # re-read the alternates
+
+    def refresh(self) -> dict[str, Entry]:
+        """Every instance run's state as the remote has it now (one fetch)."""
+        spec = f"+{PREFIX}/{self.batch}/*:{CACHE}/{self.batch}/*"
+        with FileLock(f"{self.repo.path.rstrip('/')}.lock"):  # two workers of one workspace
+            self.remote.fetch([spec], f"reading batch {self.batch}'s queue")
+        out: dict[str, Entry] = {}
+        runs = f"{CACHE}/{self.batch}/runs/"
+        for name in self.repo.references:
+            if name.startswith(runs):
+                oid = self.repo.references[name].target
+                out[name.removeprefix(runs)] = self._entry(name.removeprefix(runs), str(oid))
+        return out
+
+    def _entry(self, rid: str, oid: str) -> Entry:
+        commit = self.repo[oid].peel(pygit2.Commit)
+        try:
+            doc = json.loads(commit.message.split("\n\n", 1)[1])
+            entry = Entry(oid, doc["state"], doc["owner"], int(doc["version"]),
+                          float(doc["expires_at"]), doc.get("result"))  # fmt: skip
+        except (IndexError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointRejected(
+                "queue-record", f"{self.ref(rid)} on {self.remote.url} is not a gitrun queue "
+                f"record ({oid}); it was not written by gitrun: remove the ref",
+            ) from exc  # fmt: skip
+        if entry.state == DONE:
+            self._check_done(rid, commit, entry)
+        return entry
+
+    def _check_done(self, rid: str, commit: pygit2.Commit, entry: Entry) -> None:
+        doc = entry.result or {}
+        files = {str(e.name): _sha(self.repo[e.id].peel(pygit2.Blob).data) for e in commit.tree}
+        signed = canonical_bytes({"batch": self.batch, "run": rid, "result": doc.get("result"),
+                                  "files": files, "owner": entry.owner})  # fmt: skip
+        if self.keyring.verify(str(doc.get("key_id")), signed, str(doc.get("mac"))) is not True:
+            raise CheckpointRejected(
+                "queue-signature", f"the result of {rid} on {self.remote.url} ({entry.oid}) is "
+                "not signed by this batch's checkpoint key; refusing to report it: give every "
+                "worker the same --key-file",
+            )  # fmt: skip
+
+    def files(self, entry: Entry) -> dict[str, bytes]:
+        """The log files a DONE entry's tree holds (only those a worker writes)."""
+        tree = self.repo[entry.oid].peel(pygit2.Commit).tree
+        return {str(e.name): self.repo[e.id].peel(pygit2.Blob).data
+                for e in tree if e.name in LOG_FILES}  # fmt: skip
+
+    def _commit(self, rid: str, doc: dict[str, Any], parent: Entry | None,
+                files: dict[str, bytes] | None = None) -> str:  # fmt: skip
+        builder = self.repo.TreeBuilder()
+        for name, data in sorted((files or {}).items()):
+            builder.insert(name, self.repo.create_blob(data), pygit2.GIT_FILEMODE_BLOB)
+        message = f"gitrun swebench {doc['state']} {rid}\n\n{json.dumps(doc, sort_keys=True)}\n"
+        parents = [pygit2.Oid(hex=parent.oid)] if parent else []
+        return str(self.repo.create_commit(None, _sig(), _sig(), message, builder.write(), parents))
+
+    def manifest(self, queue: dict[str, Any]) -> dict[str, Entry]:
+        """Publish the batch's queue, or check that the remote's is this very one; the
+        instance runs' states as :meth:`refresh` reads them."""
+        name = f"{PREFIX}/{self.batch}/manifest"
+        for _ in range(3):
+            entries = self.refresh()  # its refspec covers the manifest too
+            ref = self.repo.references.get(self._cached(name))
+            if ref is not None:
+                message = self.repo[ref.target].peel(pygit2.Commit).message
+                _same_queue(self.batch, json.loads(message.split("\n\n", 1)[1]), queue)
+                return entries
+            doc = {"state": "manifest", "owner": self.worker, "queue": queue}
+            self.remote.push([Update(name, self._commit("manifest", doc, None), None)],
+                             "publishing the batch")  # fmt: skip
+        raise self.remote.unavailable("publishing the batch", "its manifest never appeared")
+
+    def claim(self, rid: str, seen: Entry | None) -> Entry | None:
+        """Take the instance (new, or ``seen`` expired); None when another worker has it."""
+        if seen is not None and (seen.state == DONE or seen.live(time.time())):
+            return None
+        return self._move(rid, seen, (seen.version + 1) if seen else 1)
+
+    def renew(self, rid: str, held: Entry) -> Entry | None:
+        """Extend our claim; None when it was taken over (we must land nothing)."""
+        return self._move(rid, held, held.version + 1)
+
+    def release(self, rid: str, held: Entry) -> None:
+        """Give the instance back (expired now), so another worker takes it at once."""
+        self._move(rid, held, held.version + 1, ttl=0.0)
+
+    def _move(self, rid: str, old: Entry | None, version: int,
+              ttl: float | None = None) -> Entry | None:  # fmt: skip
+        expires = time.time() + (self.ttl if ttl is None else ttl)
+        doc = {"state": CLAIMED, "owner": self.worker, "version": version, "expires_at": expires}
+        oid = self._commit(rid, doc, old)
+        refused = self.remote.push([Update(self.ref(rid), oid, old.oid if old else None)],
+                                   f"claiming {rid}")  # fmt: skip
+        return None if refused else Entry(oid, CLAIMED, self.worker, version, expires)
+
+    def land(self, rid: str, held: Entry, result: str, files: dict[str, bytes],
+             branch: tuple[str, str] | None) -> Entry | None:  # fmt: skip
+        """One atomic push: the DONE record (fenced by our claim) and the run's branch
+        ``(ref, commit)`` (which must not exist there yet); None: nothing landed."""
+        signed = canonical_bytes({"batch": self.batch, "run": rid, "result": result,
+                                  "files": {n: _sha(d) for n, d in files.items()},
+                                  "owner": self.worker})  # fmt: skip
+        key_id, mac = self.keyring.sign(signed)
+        signature = {"result": result, "key_id": key_id, "mac": mac}
+        doc = {"state": DONE, "owner": self.worker, "version": held.version + 1,
+               "expires_at": 0, "result": signature}  # fmt: skip
+        oid = self._commit(rid, doc, held, files)
+        updates = [Update(self.ref(rid), oid, held.oid)]
+        if branch is not None:
+            updates.append(Update(branch[0], branch[1], None))
+        if self.remote.push(updates, f"landing the result of {rid}") is not None:
+            return None
+        return Entry(oid, DONE, self.worker, held.version + 1, 0.0, signature)
+
+
+def _same_queue(batch: str, theirs: dict[str, Any], mine: dict[str, Any]) -> None:
+    if theirs.get("queue") == mine:
+        return
+    queue = theirs.get("queue") or {}
+    differs = sorted(k for k in {*queue, *mine} if queue.get(k) != mine.get(k))
+    raise BadInput(
+        f"batch {batch} on the remote holds another queue ({', '.join(differs)} differ) than "
+        "this worker derives: start every worker with the same --dataset, --predictions, "
+        "--instance-ids, specs and Python, or pick another --run-id"
+    )
