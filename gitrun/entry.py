@@ -98,7 +98,8 @@ def status_text(info: dict[str, Any], as_json: bool) -> str:
         + (f"  ({info['stop_reason']})" if info.get("stop_reason") else ""),
         f"repo       {info['repo']}",
         f"worktree   {info['worktree']}  branch {info['branch']}",
-        f"head       {info['head']}",
+        f"head       {info['head']}"
+        + ("  (last write, not checkpointed yet)" if info.get("unrecorded_receipt") else ""),
         f"pending    {pending['action'] + ' key ' + pending['key'] if pending else '-'}",
         f"receipts   {len(info['receipts'])}",
         f"verifier   {info['verifier']['summary'] if info['verifier'] else '-'}",

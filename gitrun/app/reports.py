@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import pygit2
 
 from gitrun.app.opening import Opened, Options, load_verified, open_run, the_ref
-from gitrun.core.codec import encode
+from gitrun.core.codec import digest, encode
 from gitrun.core.errors import BadInput, CheckpointRejected, LeaseUnreadable
-from gitrun.core.records import AWAITING_APPROVAL, RunState
+from gitrun.core.records import AWAITING_APPROVAL, Receipt, RunState
 from gitrun.store.checkpoint import Stored
 from gitrun.store.lease import read_lease
 
@@ -68,6 +68,7 @@ def _unverified_info(opened: Opened, exc: CheckpointRejected) -> dict[str, Any]:
         "checkpoint_error": str(exc),
         "head": None,
         "pending": None,
+        "unrecorded_receipt": None,
         "receipts": [],
         "verifier": None,
         "isolation": None,
@@ -77,6 +78,8 @@ def _unverified_info(opened: Opened, exc: CheckpointRejected) -> dict[str, Any]:
 def _checkpoint_info(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]:
     """Status fields from the verified checkpoint (and the receipts on the run's branch)."""
     s = stored.state
+    receipts = opened.env.receipts()
+    landed = _landed(s, receipts)
     return {
         "task_id": s.task_id,
         "phase": s.phase,
@@ -84,15 +87,29 @@ def _checkpoint_info(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]
         "generation": s.generation,
         "checkpoint_ref": ref,
         "checkpoint": str(stored.oid),
-        "head": s.env.head,
+        "head": s.env.head if landed is None else landed.commit,
         "instance_id": s.env.instance_id,
-        "pending": _pending_info(s),
-        "receipts": [encode(r) for r in opened.env.receipts()],
+        "pending": _pending_info(s) if landed is None else None,
+        "unrecorded_receipt": None if landed is None else landed.commit,
+        "receipts": [encode(r) for r in receipts],
         "verifier": None if s.verifier is None else encode(s.verifier),
         "isolation": None if s.verifier is None else s.verifier.isolation,
         "budgets": encode(s.budgets),
         "review": None if s.review is None else encode(s.review),
     }
+
+
+def _landed(s: RunState, receipts: list[Receipt]) -> Receipt | None:
+    """The pending write when its commit is already the branch tip: a step's receipt rides
+    in the run's next checkpoint, so a run stopped in between shows the write done."""
+    p, last = s.pending, (receipts[-1] if receipts else None)
+    if p is None or last is None or last.key != p.key or last.parent != s.env.head:
+        return None
+    if last.intent_digest != p.intent_digest:
+        return None  # another intent under the key: resume opens a review case
+    if p.risk is not None and (p.approval is None or last.approval != digest(p.approval)):
+        return None  # not covered by the checkpoint's approval: resume opens a review case
+    return last
 
 
 def _pending_info(s: RunState) -> dict[str, Any] | None:

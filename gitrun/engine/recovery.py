@@ -6,7 +6,9 @@ Window by window (DESIGN.md §3):
 1. no pending intent: re-observe; the agent decides again from the same cursor;
 2. intent persisted, branch unmoved: the loop executes it once with the same key;
 3. branch moved by exactly the pending write: verify that commit is the deterministic
-   result (parent, trailers, tree), finish an interrupted file sync, record the receipt;
+   result (parent, trailers, tree), finish an interrupted file sync, record the receipt.
+   Not only a crash's window: a step's receipt has no checkpoint of its own (it rides
+   in the next one), so every run stopped between two steps is left here;
 4. receipt recorded: nothing to redo; the loop replays only the state transition.
 
 The receipt cached in the checkpoint is checked against the authoritative commit first:
