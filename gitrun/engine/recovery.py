@@ -206,10 +206,12 @@ def _require_branch(rt: Runtime) -> None:
     """The run's branch must exist; if not, say which commit the checkpoint names."""
     env, head = rt.env, rt.state.env.head
     if gitstore.read_ref(env.repo, env.branch) is None:
+        last = str(_explained(rt))  # the pending's write, when its receipt rides still
+        names = head if last == head else f"{head} and its pending write {last}"
         raise EnvironmentDrift(
             "branch-missing",
-            f"{env.branch} does not exist; the checkpoint names {head}: restore it with "
-            f"`git -C {env.repo.workdir or env.repo.path} update-ref {env.branch} {head}` "
+            f"{env.branch} does not exist; the checkpoint names {names}: restore it with "
+            f"`git -C {env.repo.workdir or env.repo.path} update-ref {env.branch} {last}` "
             "and resume; nothing was changed",
         )
 
