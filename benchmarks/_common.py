@@ -328,7 +328,8 @@ def no_approvals() -> Approvals:
 
 
 def runtime_step(rt: Runtime) -> None:
-    """One full write step: observe, gate, intent checkpoint, execute, receipt checkpoint."""
+    """One full write step: observe, gate, intent checkpoint (carrying the last receipt),
+    execute; its receipt rides in the next step's checkpoint."""
     rt.step()
     rt.execute_pending()
 

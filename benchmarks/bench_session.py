@@ -3,11 +3,11 @@
 A client process (this one) speaks JSON-RPC lines to a `gitrun session` subprocess on a
 100-file repository and times each request from writing its line to reading the answer:
 ``observe``, ``read_file`` (a 2 KB file), ``write_file`` (a 2 KB file, one gated step:
-intent checkpoint, fenced write, receipt checkpoint) and ``exec`` of ``true`` when the
-build has exec steps. The same run measures the in-process runtime step
-(``Runtime.step`` + ``Runtime.execute_pending``, no protocol) on the same layout, so the
-protocol's own cost reads as the difference. Requests of each kind are interleaved
-round by round, so a change in disk speed hits all alike.
+intent checkpoint, fenced write; its receipt rides in the next checkpoint) and
+``exec`` of ``true`` when the build has exec steps. The same run measures the in-process
+runtime step (``Runtime.step`` + ``Runtime.execute_pending``, no protocol) on the same
+layout, so the protocol's own cost reads as the difference. Requests of each kind are
+interleaved round by round, so a change in disk speed hits all alike.
 
     python benchmarks/bench_session.py [--quick] [--rounds N]
 """

@@ -7,8 +7,9 @@ Two kinds of measurement; every (repository, kind, position) case is its own run
   built from the parent tree, commit with trailers, fenced compare-and-swap of the
   branch, receipt index ref, file sync (worktree file + index). No gate, no checkpoint.
 * **runtime step** — what ``gitrun run`` does per write: observe, gate, intent
-  checkpoint, the adapter write, receipt checkpoint (``Runtime.step`` +
-  ``Runtime.execute_pending``), driven by a scripted agent of N ``write_file`` actions.
+  checkpoint, the adapter write; its receipt rides in the next checkpoint
+  (``Runtime.step`` + ``Runtime.execute_pending``), driven by a scripted agent of N
+  ``write_file`` actions.
 
 "Write #k" is a window of ``--window`` consecutive writes starting at the k-th write of
 the run (earlier writes run too, unmeasured). The late runs are first driven to write
@@ -56,7 +57,7 @@ class AdapterWriter:
 
 
 class RuntimeStepper:
-    """One full runtime step per call (observe, gate, intent ckpt, write, receipt ckpt)."""
+    """One full runtime step per call (observe, gate, intent ckpt, write; receipt rides)."""
 
     def __init__(self, run: c.Run) -> None:
         self.rt = run.runtime
@@ -186,7 +187,7 @@ def main() -> None:
 
     names = {
         "adapter": "adapter write (`Environment.execute`)",
-        "runtime": "runtime step (intent ckpt + write + receipt ckpt)",
+        "runtime": "runtime step (intent ckpt + write; receipt rides)",
     }
     lines = [
         "| case | " + " | ".join(f"{names[k]} median ms | p95 ms" for k in kinds) + " |",

@@ -98,7 +98,8 @@ def status_text(info: RunStatus, as_json: bool) -> str:
         f"phase      {info.phase}" + (f"  ({info.stop_reason})" if info.stop_reason else ""),
         f"repo       {info.repo}",
         f"worktree   {info.worktree}  branch {info.branch}",
-        f"head       {info.head}",
+        f"head       {info.head}"
+        + ("  (last write, not checkpointed yet)" if info.unrecorded_receipt else ""),
         f"pending    {pending.action + ' key ' + pending.key if pending else '-'}",
         f"receipts   {len(info.receipts)}",
         f"verifier   {info.verifier.summary if info.verifier else '-'}",

@@ -443,7 +443,41 @@ def test_every_pass_of_every_write_window_point_is_crashed_in_a_multi_write_sand
         "after_receipt_index",
         "mid_file_sync",
         "after_file_sync",
+        "receipt_riding",
     }
+
+
+@pytest.mark.parametrize("point", ["receipt_riding", "before_verify", "after_intent_checkpoint"])
+def test_status_of_a_run_killed_before_its_receipt_was_checkpointed_shows_the_truth(
+    tmp_path: Path, point: str
+) -> None:
+    # A step's receipt rides in the next checkpoint: killed before that one, the
+    # checkpoint still holds the intent, but status reads the branch and shows the write
+    # done (its commit the head, nothing pending); resume records it once. Killed before
+    # the write, the intent is shown pending, as it is.
+    cli = Cli.at(tmp_path / "home")
+    crash = cli("run", str(SANDBOXES / "fix-median"), "--run-id", "riding", crash_at=point)
+    assert killed(crash.returncode), crash.stderr
+    tip = cli.git(cli.repo("fix-median"), "rev-parse", "refs/heads/gitrun/riding").stdout.strip()
+    info = json.loads(cli("status", "riding", "--json").stdout)
+    text = cli("status", "riding").stdout
+    assert info["phase"] == "running"
+    if point == "after_intent_checkpoint":
+        assert info["pending"] is not None
+        assert (info["unrecorded_receipt"], info["receipts"]) == (None, [])
+        assert "pending    apply_patch" in text
+    else:
+        assert info["pending"] is None
+        assert info["head"] == info["unrecorded_receipt"] == tip
+        assert [r["commit"] for r in info["receipts"]] == [tip]
+        assert f"head       {tip}  (last write, not checkpointed yet)" in text
+        assert "pending    -" in text
+    resumed = cli("resume", "riding", "-q")
+    assert resumed.returncode == 0, resumed.stderr
+    done = json.loads(cli("status", "riding", "--json").stdout)
+    assert (done["phase"], done["pending"], done["unrecorded_receipt"]) == ("done", None, None)
+    assert len(done["receipts"]) == 1
+    assert done["verifier"]["head"] == done["head"] == done["receipts"][0]["commit"]
 
 
 # -- random kills -----------------------------------------------------------------------

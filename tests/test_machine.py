@@ -49,9 +49,11 @@ from gitrun.core.machine import (
     Finished,
     Freeze,
     Grant,
+    Hold,
     IllegalTransition,
     MachineEvent,
     Outcome,
+    Pause,
     PendingRejectedAtExecute,
     Persist,
     ProposalRejected,
@@ -89,10 +91,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def settle(outcome: Outcome) -> RunState:
-    """What the runtime holds after performing the outcome's Persist (Runtime.commit)."""
+    """What the runtime holds after performing the outcome's Persist (Runtime.commit), or
+    its Hold (a receipt riding to the next checkpoint, its event still unwritten)."""
     state, effects = outcome
     persists = [e for e in effects if isinstance(e, Persist)]
     if not persists:
+        for held in (e for e in effects if isinstance(e, Hold)):
+            assert held.state is state
+            validate_state(held.state)
         return state
     validate_state(persists[0].state)
     stamped = stamp(
@@ -349,9 +355,86 @@ def test_a_receipt_records_the_write_and_clears_the_pending() -> None:
         "replayed": False,
         "fingerprint": r.fingerprint(),
     }
-    assert effects == (Persist(nxt), Say(f"committed {r.commit[:12]} for k-1"))
+    # No checkpoint of its own: the receipt is held, riding in the run's next checkpoint.
+    assert effects == (Hold(nxt), Say(f"committed {r.commit[:12]} for k-1"))
+    validate_state(nxt)
     replayed = transition(s, WriteReceipt(r, True, adapter.branch, 31.0))[1]
     assert replayed[1] == Say(f"reconciled {r.commit[:12]} for k-1")
+
+
+def held_write(risk: str | None = None) -> tuple[RunState, Adapter, Receipt]:
+    """A write made and its receipt held (riding, no checkpoint written for it yet)."""
+    s, adapter = with_intent(risk)
+    r = written(s, adapter)
+    return settle(transition(s, WriteReceipt(r, False, adapter.branch, 31.0))), adapter, r
+
+
+def test_a_held_receipt_rides_in_the_next_intent_checkpoint() -> None:
+    held, adapter, r = held_write()
+    nxt, effects = transition(held, proposed(held, adapter, key="k-2", at=40.0))
+    assert kinds(effects) == ["Persist", "Say"]
+    assert effects[0] == Persist(nxt)
+    assert [e.kind for e in nxt.events] == ["receipt", "intent"]
+    assert nxt.events[0] == held.events[0]
+    assert (nxt.receipts.last, nxt.receipts.count, nxt.env.head) == (r, 1, r.commit)
+    assert nxt.pending is not None
+    assert (nxt.pending.key, nxt.pending.precondition.head) == ("k-2", r.commit)
+    assert nxt.trace_count == held.trace_count + 1
+    validate_state(nxt)
+
+
+@pytest.mark.parametrize("via", ["risky-intent", "rejection", "verdict", "cannot-start", "pause"])
+def test_every_checkpoint_after_a_write_carries_its_held_receipt(via: str) -> None:
+    held, adapter, r = held_write()
+    events: dict[str, MachineEvent] = {
+        "risky-intent": proposed(held, adapter, risk="r", key="k-2"),
+        "rejection": ProposalRejected("path-dotdot", "m", "write_file ../x", 40.0),
+        "verdict": verdict(held, True),
+        "cannot-start": VerifierCannotStart(
+            r.commit, r.tree, CLEAN, "cannot start", ("t::a",), 40.0
+        ),
+        "pause": Pause(40.0),
+    }
+    nxt, effects = transition(held, events[via])
+    persists = [e for e in effects if isinstance(e, Persist)]
+    assert persists == [Persist(nxt)]
+    assert nxt.events[0] == held.events[0]
+    assert nxt.events[0].kind == "receipt"
+    assert nxt.receipts.last == r
+    validate_state(nxt)
+
+
+def test_a_pause_writes_only_a_held_receipt() -> None:
+    s, _ = with_intent()
+    assert transition(s, Pause(5.0)) == (s, ())
+    assert transition(initial_state(), Pause(5.0)) == (initial_state(), ())
+    held, _, _ = held_write()
+    nxt, effects = transition(held, Pause(40.0))
+    assert nxt is held
+    assert effects == (Persist(held),)
+    assert transition(settle((nxt, effects)), Pause(41.0))[1] == ()
+
+
+def test_nothing_executes_while_the_state_is_ahead_of_its_checkpoint() -> None:
+    s, _ = with_intent()
+    unwritten = s.with_events(Event("receipt", 20.0, {}))
+    for event in (ExecuteDue(21.0), PendingRejectedAtExecute("path-symlink", "m", 21.0)):
+        with pytest.raises(IllegalTransition, match="ahead of its checkpoint"):
+            transition(unwritten, event)
+
+
+def test_a_held_receipt_lost_to_a_crash_is_reconciled_into_the_same_state() -> None:
+    # Killed before the next checkpoint: the intent checkpoint is what resume loads, and
+    # the write commit (the authority) gives the receipt back, exactly once.
+    s, adapter = with_intent()
+    r = written(s, adapter)
+    held = settle(transition(s, WriteReceipt(r, False, adapter.branch, 31.0)))
+    again = settle(transition(s, WriteReceipt(adapter.index["k-1"], True, adapter.branch, 90.0)))
+    # (the trace differs only in the event's time and its ``replayed`` flag)
+    assert replace(again, events=(), trace_chain="") == replace(held, events=(), trace_chain="")
+    assert [e.kind for e in again.events] == ["receipt"]
+    assert again.events[0].data["replayed"]
+    assert (again.receipts.count, again.receipts.last) == (1, r)
 
 
 def test_a_receipt_not_made_on_the_intents_precondition_is_drift() -> None:
@@ -755,6 +838,8 @@ REFUSALS = (IllegalTransition, ApprovalRefused, EnvironmentDrift)
 
 def phase_allows(s: RunState, event: MachineEvent) -> bool:
     """The phase table, written independently of the machine: which phase takes what."""
+    if isinstance(event, Pause):
+        return True  # any phase: it writes a held receipt, else nothing
     if isinstance(event, PROPOSING):
         return s.phase == RUNNING and s.pending is None
     if isinstance(event, EXECUTING):
@@ -809,6 +894,8 @@ ARGS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "abort": _rare(),
         "drift": st.sampled_from(["", "", "", "receipt", "branch", "nonce"]),
     },
+    "crash": {"dt": dts},
+    "pause": {"dt": dts},
 }
 
 
@@ -838,6 +925,9 @@ class RunMachine(RuleBasedStateMachine):
         self.expiry: dict[str, float] = {}  # approval fingerprint -> expires_at (the truth)
         self.persisted: set[str] = {digest(encode(None))}  # pendings some checkpoint held
         self.recorded: list[str] = []  # keys of receipt events in persisted checkpoints
+        self.checkpointed = self.state  # the last checkpoint: what a crash leaves to resume
+        self.held: list[str] = []  # the key of a receipt held in memory, riding (at most one)
+        self.executed: list[str] = []  # keys the adapter wrote for this run's own Execute
         self.trace: list[Event] = []
         self.last_head = BASE  # the HEAD after the last write (or the re-observed HEAD)
         self.replanned: list[str] = []  # keys a reviewer's replan retired
@@ -882,13 +972,18 @@ class RunMachine(RuleBasedStateMachine):
         self, pre: RunState, event: MachineEvent, nxt: RunState, effects: tuple[object, ...]
     ) -> None:
         persists = [e for e in effects if isinstance(e, Persist)]
-        assert len(persists) <= 1, "one checkpoint advance per transition"
-        if not persists:
-            assert nxt is pre, "the state changes only through a Persist"
+        holds = [e for e in effects if isinstance(e, Hold)]
+        assert len(persists) + len(holds) <= 1, "one checkpoint advance (or hold) per transition"
+        if not persists and not holds:
+            assert nxt is pre, "the state changes only through a Persist or a held receipt"
+        assert nxt.events[: len(pre.events)] == pre.events, "a held receipt is never dropped"
         for effect in effects:
             if isinstance(effect, Persist):
                 assert effect.state is nxt
                 self.persist(effect.state)
+            elif isinstance(effect, Hold):
+                assert effect.state is nxt
+                self.hold(pre, nxt)
             elif isinstance(effect, Execute):
                 self.check_execute(pre, event, effect)
         freezes = any(isinstance(e, Freeze) for e in effects)
@@ -905,7 +1000,7 @@ class RunMachine(RuleBasedStateMachine):
         assert pre.used_nonces == nxt.used_nonces[: len(pre.used_nonces)]
         assert pre.quarantined_keys == nxt.quarantined_keys[: len(pre.quarantined_keys)]
         assert pre.sealed == nxt.sealed[: len(pre.sealed)]
-        assert nxt.trace_count == pre.trace_count + len(nxt.events)
+        assert nxt.trace_count == pre.trace_count + len(nxt.events) - len(pre.events)
         self.check_ending(pre, event, nxt)
 
     @staticmethod
@@ -937,6 +1032,8 @@ class RunMachine(RuleBasedStateMachine):
         expired or foreign approval."""
         p = effect.pending
         assert digest(encode(p)) in self.persisted, "Execute of an intent never persisted"
+        # ... and the last checkpoint is the whole state: no receipt still rides.
+        assert encode(pre) == encode(self.checkpointed), "a write while the checkpoint lags"
         assert pre.phase == RUNNING
         assert pre.pending == p
         if p.risk is not None:
@@ -957,6 +1054,24 @@ class RunMachine(RuleBasedStateMachine):
         assert (case.receipt, case.receipt_fingerprint) == (r, r.fingerprint())
         assert case.environment_version == getattr(event, "environment_version", None)
         assert nxt.events[-1].data == {"case": encode(case)}
+
+    def hold(self, pre: RunState, state: RunState) -> None:
+        """A receipt recorded, not written: only ever one, the last checkpoint's own
+        pending key, made on its precondition, never a key a checkpoint recorded."""
+        validate_state(state)
+        validate_state(
+            stamp(state, generation=state.generation + 1, elapsed=0.0, worker="w-1",
+                  lease_version=1, now=self.clock)
+        )  # fmt: skip
+        assert not pre.events, "a second receipt held before the first was written"
+        assert [e.kind for e in state.events] == ["receipt"]
+        r, cp = state.receipts.last, self.checkpointed.pending
+        assert r is not None
+        assert cp is not None
+        assert (r.key, r.parent) == (cp.key, cp.precondition.head)
+        assert r.key not in self.recorded, f"two receipts for {r.key}"
+        self.held = [r.key]
+        self.state = state
 
     def persist(self, state: RunState) -> None:
         """Runtime.commit: stamp, validate with the real validator, hold without events."""
@@ -987,7 +1102,8 @@ class RunMachine(RuleBasedStateMachine):
         assert stamped.receipts.count == len(self.recorded) == len(set(self.recorded))
         if stamped.phase == DONE:
             self.check_done(stamped)
-        self.state = replace(stamped, events=())
+        self.state = self.checkpointed = replace(stamped, events=())
+        self.held = []
 
     def check_done(self, s: RunState) -> None:
         """Done only with a passing verifier event in the trace, bound to the last HEAD."""
@@ -1007,7 +1123,7 @@ class RunMachine(RuleBasedStateMachine):
     ) -> None:
         at = self.tick(dt)
         reuse = {
-            "last": self.recorded[-1:],
+            "last": (self.recorded + self.held)[-1:],
             "old": self.recorded[:1],
             "quarantined": self.replanned[:1],
         }
@@ -1062,6 +1178,8 @@ class RunMachine(RuleBasedStateMachine):
             if outcome is None or crash:
                 return  # the branch CAS lost, or killed after the write (window 3)
             r, replayed = outcome
+            if not replayed:
+                self.executed.append(r.key)
             if r.intent_digest != effect.pending.intent_digest:
                 self.feed(ReceiptConflict(r, self.adapter.branch, at))
             else:
@@ -1108,6 +1226,22 @@ class RunMachine(RuleBasedStateMachine):
             assert p.key not in self.adapter.index
             assert self.state.pending is None
 
+    def do_crash(self, dt: int) -> None:
+        """SIGKILL, then resume: what was only held in memory is gone; the last
+        checkpoint and the adapter (the branch, its receipts) are what is left."""
+        self.tick(dt)
+        self.state = self.checkpointed
+        self.held = []
+
+    def do_pause(self, dt: int) -> None:
+        """The driver stops (a session's agent left): a held receipt is written."""
+        held = bool(self.held)
+        effects = self.feed(Pause(self.tick(dt)))
+        assert effects is not None
+        assert [type(e) for e in effects] == ([Persist] if held else [])
+        assert not self.held
+        assert encode(self.state) == encode(self.checkpointed)
+
     # -- humans ------------------------------------------------------------------------
 
     def do_approve(self, dt: int, ttl: int, swapped: bool, reused: bool) -> None:
@@ -1150,7 +1284,7 @@ class RunMachine(RuleBasedStateMachine):
                 action, "k-loaded", action.intent_digest(), "risk", precondition_at(self.adapter),
                 None, 0.0,
             )  # fmt: skip
-            self.state = replace(self.state, pending=pending)
+            self.state = self.checkpointed = replace(self.state, pending=pending)
             validate_state(self.state)
             self.persisted.add(digest(encode(pending)))
 
@@ -1199,10 +1333,30 @@ class RunMachine(RuleBasedStateMachine):
     def review(self, **kw: Any) -> None:
         self.do_review(**kw)
 
+    @_rule("crash")
+    def crash(self, **kw: Any) -> None:
+        self.do_crash(**kw)
+
+    @_rule("pause")
+    def pause(self, **kw: Any) -> None:
+        self.do_pause(**kw)
+
     @rule(data=st.data(), which=st.sampled_from(sorted(ARGS)))
     def anything(self, data: st.DataObject, which: str) -> None:
         """Any event in any phase: illegal ones must raise and change nothing."""
         getattr(self, f"do_{which}")(**data.draw(st.fixed_dictionaries(ARGS[which])))
+
+    @invariant()
+    def the_branch_is_at_most_the_pending_write_ahead_of_the_checkpoint(self) -> None:
+        """The crash-window proof: every write the run made is recorded in the last
+        checkpoint, or is that checkpoint's pending intent's (resume takes its receipt in
+        from the branch), or a reviewer's case holds it."""
+        cp = self.checkpointed
+        named = {*self.recorded, *cp.quarantined_keys}
+        named |= {x["case"]["key"] for x in cp.sealed if x.get("kind") == "review"}
+        if cp.pending is not None:
+            named.add(cp.pending.key)
+        assert set(self.executed) <= named, set(self.executed) - named
 
     @invariant()
     def frozen_holds_its_pending_and_terminal_holds_none(self) -> None:
@@ -1228,6 +1382,7 @@ def drive(*steps: tuple[str, dict[str, Any]], loaded: bool = False) -> RunMachin
     for name, kw in steps:
         getattr(m, f"do_{name}")(**kw)
         m.frozen_holds_its_pending_and_terminal_holds_none()
+        m.the_branch_is_at_most_the_pending_write_ahead_of_the_checkpoint()
     m.teardown()
     return m
 
@@ -1290,6 +1445,7 @@ def test_regression_an_expired_approval_freezes_and_a_refreshed_one_writes_once(
         ("approve", {**APPROVE, "reused": True}),  # the old nonce: refused
         ("approve", APPROVE),
         ("execute", EXECUTE),
+        ("pause", {"dt": 1}),  # the receipt rode in memory: the driver's pause writes it
     )
     assert m.state.phase == RUNNING
     assert len(m.recorded) == 1
@@ -1381,3 +1537,22 @@ def test_regression_a_pending_regated_at_execute_is_abandoned_and_never_written(
     assert len(m.recorded) == 1
     assert m.recorded[0] != "k-1"
     assert "k-1" not in m.adapter.index
+
+
+def test_regression_a_receipt_lost_to_a_crash_before_its_checkpoint_is_recorded_once() -> None:
+    m = drive(
+        ("propose", PROPOSE),
+        ("execute", EXECUTE),  # written; the receipt rides in memory
+        ("crash", {"dt": 1}),  # lost with the process: the intent checkpoint is left
+        ("finish", FINISH),  # refused: the intent is still pending there
+        ("execute", EXECUTE),  # the key is looked up first: reconciled, not written again
+        ("crash", {"dt": 1}),
+        ("reconcile", RECONCILE),
+        ("propose", PROPOSE),  # its checkpoint carries the receipt of k-1
+        ("execute", EXECUTE),
+        ("finish", FINISH),  # and the verdict carries the receipt of the last write
+    )
+    assert m.state.phase == DONE
+    assert m.recorded == m.executed
+    assert len(m.recorded) == 2
+    assert [e.kind for e in m.trace] == ["intent", "receipt", "intent", "receipt", "verifier"]

@@ -1,10 +1,14 @@
 """The pure machine against today's runtime: replay a real run's audit chain through it.
 
 Each checkpoint after the first was written by ``Runtime``/``Approvals`` from its
-predecessor. Rebuilding the event from the new checkpoint's trace and applying
-``machine.transition`` to the predecessor must give that checkpoint again, field for
-field (event times aside: the runtime reads the clock once per field). This is what lets
-the runtime delegate to the machine with no change in behaviour.
+predecessor. Rebuilding the events from the new checkpoint's trace and applying
+``machine.transition`` to the predecessor, one by one, must give that checkpoint again,
+field for field (event times aside: the runtime reads the clock once per field). This is
+what lets the runtime delegate to the machine with no change in behaviour.
+
+A write's receipt has no checkpoint of its own: it is held and rides in the next one, so
+a checkpoint's trace is one event, or a receipt (held: no advance) and then the event
+that advanced; a receipt alone is the driver's pause.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from gitrun.core.machine import (
     AGENT_WRITE_REFUSED,
     Finished,
     Grant,
+    Hold,
     MachineEvent,
+    Pause,
     PendingRejectedAtExecute,
     Persist,
     ProposalRejected,
@@ -45,11 +51,21 @@ RESULT = ("exit_code", "timed_out")
 RUN = "r-replay"
 
 
-def event_for(prev: RunState, nxt: RunState) -> MachineEvent:
-    """The machine event that ``nxt``'s trace records (one per checkpoint advance)."""
-    if len(nxt.events) != 1:
-        raise AssertionError(f"one trace event per checkpoint, got {[e.kind for e in nxt.events]}")
-    ev = nxt.events[0]
+def events_for(prev: RunState, nxt: RunState) -> list[MachineEvent]:
+    """The machine events that ``nxt``'s trace records: a held receipt, then the one that
+    advanced (a receipt alone was written by a pause)."""
+    kinds = [e.kind for e in nxt.events]
+    if kinds == ["receipt"]:
+        return [event_for(prev, nxt, nxt.events[0]), Pause(nxt.events[0].at)]
+    if len(kinds) == 2 and kinds[0] == "receipt" and kinds[1] != "receipt":
+        return [event_for(prev, nxt, e) for e in nxt.events]
+    if len(kinds) != 1:
+        raise AssertionError(f"one advancing trace event per checkpoint, got {kinds}")
+    return [event_for(prev, nxt, nxt.events[0])]
+
+
+def event_for(prev: RunState, nxt: RunState, ev: Event) -> MachineEvent:
+    """The machine event one trace event of ``nxt`` records."""
     d = ev.data
     if ev.kind == "intent":
         p = nxt.pending
@@ -111,11 +127,16 @@ def replay(home: Path) -> list[str]:
     chain = [s.state for s in reversed(service.checkpoints(RUN, service.Options(Workspace(home))))]
     replayed: list[str] = []
     for prev, nxt in itertools.pairwise(chain):
-        settled = replace(prev, events=())
-        event = event_for(prev, nxt)
-        if isinstance(event, VerifierResult | VerifierCannotStart):
-            assert transition(settled, Finished(event.at))[0] is settled
-        state, effects = transition(settled, event)
+        state = replace(prev, events=())
+        *riding, last = events_for(prev, nxt)
+        for event in riding:  # a receipt: held in memory, no checkpoint of its own
+            state, effects = transition(state, event)
+            assert isinstance(event, WriteReceipt)
+            assert Hold(state) in effects
+            assert not any(isinstance(e, Persist) for e in effects)
+        if isinstance(last, VerifierResult | VerifierCannotStart):
+            assert transition(state, Finished(last.at))[0] is state
+        state, effects = transition(state, last)
         assert Persist(state) in effects
         got = stamp(
             state,
@@ -125,8 +146,10 @@ def replay(home: Path) -> list[str]:
             lease_version=nxt.lease_version,
             now=nxt.updated_at,
         )
-        assert timeless(got) == timeless(nxt), f"generation {nxt.generation} ({nxt.events[0].kind})"
-        replayed.append(nxt.events[0].kind)
+        assert timeless(got) == timeless(nxt), (
+            f"generation {nxt.generation} ({nxt.events[-1].kind})"
+        )
+        replayed += [e.kind for e in nxt.events]
     return replayed
 
 
@@ -181,3 +204,33 @@ def test_the_machine_reproduces_a_refused_last_write_and_a_verifier_that_cannot_
 
 def last_state(home: Path) -> RunState:
     return service.checkpoints(RUN, service.Options(Workspace(home)))[0].state
+
+
+@pytest.mark.parametrize("name", SANDBOX_NAMES)
+def test_a_write_step_is_two_commit_points_its_receipt_riding_in_the_next_checkpoint(
+    tmp_path: Path, name: str
+) -> None:
+    # The intent checkpoint and the write commit: no checkpoint holds a receipt alone.
+    home = tmp_path / "home"
+    assert Gitrun(home)("run", str(SANDBOXES / name), "--run-id", RUN).code == 0
+    chain = [s.state for s in reversed(service.checkpoints(RUN, service.Options(Workspace(home))))]
+    traces = [[e.kind for e in s.events] for s in chain]
+    writes = sum(t.count("receipt") for t in traces)
+    intents = sum(t.count("intent") for t in traces)
+    assert writes == intents >= 1
+    assert traces[0] == ["started"]
+    assert traces[-1][-1] == "verifier"
+    assert len(chain) == 1 + intents + sum(t.count("gate_rejected") for t in traces) + 1
+    for prev, nxt in itertools.pairwise(chain):
+        kinds = [e.kind for e in nxt.events]
+        if "receipt" in kinds:  # the write of the previous checkpoint's intent, ridden in
+            assert kinds[0] == "receipt"
+            assert len(kinds) == 2
+            assert prev.pending is not None
+            assert nxt.receipts.last is not None
+            assert nxt.receipts.last.key == prev.pending.key
+            assert nxt.receipts.last.parent == prev.env.head
+    end, last = chain[-1], chain[-1].receipts.last
+    assert end.verifier is not None
+    assert last is not None
+    assert end.verifier.head == end.env.head == last.commit  # bound to the last write's HEAD

@@ -90,14 +90,22 @@ def assert_refused(run: Crashed, reasons: tuple[str, ...], before: tuple[object,
 
 
 @pytest.mark.parametrize(
-    "point", ["before_verify", "after_intent_checkpoint", "checkpoint_ref_moved:3"]
+    ("sandbox", "point", "path"),
+    [
+        ("fix-median", "before_verify", "stats/median.py"),
+        ("fix-median", "after_intent_checkpoint", "stats/median.py"),
+        # the first write's receipt recorded in the second intent's checkpoint
+        ("slugify-unicode", "checkpoint_ref_moved:3", "textkit/_unicode.py"),
+    ],
 )
-def test_resume_refuses_the_same_head_with_an_uncommitted_edit(gitrun: Gitrun, point: str) -> None:
-    run = crash(gitrun, "fix-median", point)
-    target = run.worktree / "stats" / "median.py"
+def test_resume_refuses_the_same_head_with_an_uncommitted_edit(
+    gitrun: Gitrun, sandbox: str, point: str, path: str
+) -> None:
+    run = crash(gitrun, sandbox, point)
+    target = run.worktree / path
     target.write_text(target.read_text() + "\n# edited by hand\n")
     line = assert_refused(run, ("uncommitted-edits",), run.everything())
-    assert "stats/median.py" in line
+    assert path in line
 
 
 def test_resume_refuses_an_untracked_new_file_in_the_worktree(gitrun: Gitrun) -> None:
@@ -182,8 +190,11 @@ def test_resume_refuses_a_deleted_worktree(gitrun: Gitrun) -> None:
 
 # -- the receipt cache against the commits ------------------------------------------------
 
-WINDOW_3 = "after_file_sync"  # the write committed, its receipt not yet in the checkpoint
-WINDOW_4 = "checkpoint_ref_moved:3"  # the receipt recorded in the checkpoint (the cache)
+# (sandbox, crash point): the write committed, its receipt not yet in the checkpoint
+WINDOW_3 = ("fix-median", "after_file_sync")
+# the receipt recorded in the checkpoint (the cache): a receipt rides in the run's next
+# checkpoint, here the second intent's, so the sandbox needs two writes
+WINDOW_4 = ("slugify-unicode", "checkpoint_ref_moved:3")
 
 
 def rewrite_tip(run: Crashed, edit: dict[str, str]) -> tuple[str, str]:
@@ -228,21 +239,21 @@ def assert_no_replay(run: Crashed) -> None:
     assert json.loads(status.out)["phase"] != "done"
 
 
-@pytest.mark.parametrize("point", [WINDOW_3, WINDOW_4])
+@pytest.mark.parametrize("window", [WINDOW_3, WINDOW_4])
 def test_a_write_commit_replaced_by_a_history_rewrite_is_never_replayed(
-    gitrun: Gitrun, point: str
+    gitrun: Gitrun, window: tuple[str, str]
 ) -> None:
-    run = crash(gitrun, "fix-median", point)
+    run = crash(gitrun, *window)
     subject = git(run.repo, "log", "-1", "--format=%s", run.branch).strip()
     rewrite_tip(run, {subject: subject + " (amended)"})
     assert_no_replay(run)
 
 
-@pytest.mark.parametrize("point", [WINDOW_3, WINDOW_4])
+@pytest.mark.parametrize("window", [WINDOW_3, WINDOW_4])
 def test_a_write_commit_whose_intent_digest_trailer_was_edited_is_never_replayed(
-    gitrun: Gitrun, point: str
+    gitrun: Gitrun, window: tuple[str, str]
 ) -> None:
-    run = crash(gitrun, "fix-median", point)
+    run = crash(gitrun, *window)
     digest = trailer(run, "Gitrun-Intent-Digest")
     rewrite_tip(
         run, {f"Gitrun-Intent-Digest: {digest}": f"Gitrun-Intent-Digest: {digest[:-4]}beef"}
@@ -255,7 +266,7 @@ def test_a_copy_of_the_receipt_with_an_edited_trailer_named_by_the_index_is_neve
 ) -> None:
     """The branch gains a commit carrying the cached receipt's key with another intent
     digest, and the index names it: the cache and the commit differ, so no replay."""
-    run = crash(gitrun, "fix-median", WINDOW_4)
+    run = crash(gitrun, *WINDOW_4)
     key = trailer(run, "Gitrun-Idempotency-Key")
     digest = trailer(run, "Gitrun-Intent-Digest")
     tip = run.rev(run.branch)
@@ -276,11 +287,11 @@ def test_a_copy_of_the_receipt_with_an_edited_trailer_named_by_the_index_is_neve
     assert "(receipt-fields)" in run.resume()[2]
 
 
-@pytest.mark.parametrize("point", [WINDOW_3, WINDOW_4])
+@pytest.mark.parametrize("window", [WINDOW_3, WINDOW_4])
 def test_a_receipt_index_pointing_at_another_commit_is_never_replayed(
-    gitrun: Gitrun, point: str
+    gitrun: Gitrun, window: tuple[str, str]
 ) -> None:
-    run = crash(gitrun, "fix-median", point)
+    run = crash(gitrun, *window)
     key = trailer(run, "Gitrun-Idempotency-Key")
     base = json.loads(run.record.read_text())["base_commit"]
     git(run.repo, "update-ref", index_ref(key), base, run.rev(run.branch))
@@ -291,7 +302,8 @@ def test_a_receipt_index_pointing_at_another_commit_is_never_replayed(
 def test_a_receipt_index_pointing_at_another_write_of_the_run_is_never_replayed(
     gitrun: Gitrun,
 ) -> None:
-    run = crash(gitrun, "slugify-unicode", "checkpoint_ref_moved:5")  # the second receipt
+    # the second receipt, riding to the verdict's checkpoint (it has none of its own)
+    run = crash(gitrun, "slugify-unicode", "before_verify")
     key = trailer(run, "Gitrun-Idempotency-Key")
     tip = run.rev(run.branch)
     git(run.repo, "update-ref", index_ref(key), run.rev(f"{tip}^"), tip)

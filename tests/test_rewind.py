@@ -67,6 +67,12 @@ def test_rewind_to_the_first_receipt_is_a_third_commit_with_its_tree(gitrun: Git
     assert [c for c, _ in commits[:2]] == [first["commit"], second["commit"]]  # kept
     assert len(commits) == 3
     assert commits[2][1] == first["tree"]  # the third commit restores the first tree
+    # Its receipt rode in no later checkpoint (the rewind is the process's one step): the
+    # rewind's end wrote it, so the checkpoint, not only the branch, shows the step done.
+    info = json.loads(gitrun("status", "rw1", "--json").out)
+    assert (info["pending"], info["unrecorded_receipt"]) == (None, None)
+    assert info["head"] == commits[2][0]
+    assert info["budgets"]["steps"] == 3
     again = gitrun("rewind", "rw1", "--to", first["commit"], "--key", "rw-back-0001")
     assert again.code == 0, again.err
     assert "rewind replayed" in again.out

@@ -19,6 +19,8 @@ import pytest
 from conftest import ROOT, SANDBOXES, Gitrun, git, snapshot
 from session_client import Rpc, load_schemas, problems
 
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
 from gitrun.engine import session_rpc
 
 FIX = (SANDBOXES / "fix-median" / "patches" / "fix.diff").read_text()
@@ -325,6 +327,27 @@ def test_a_client_that_lost_the_answer_gets_the_original_receipt_after_a_restart
     assert again.call("finish")["phase"] == "done"
     assert again.close() == 0
     assert branch_keys(repo, "s-lost") == ["client-fix-0001"]
+
+
+def test_an_agent_that_leaves_after_a_write_leaves_its_receipt_checkpointed(
+    gitrun: Gitrun,
+) -> None:
+    # A step's receipt rides in the run's next checkpoint; when the agent leaves first,
+    # the session's end writes it, so the stopped run's checkpoint is its whole state.
+    rpc = Rpc(gitrun, str(SANDBOXES / "fix-median"), "--run-id", "s-left")
+    one = rpc.call("apply_patch", patch=FIX, idempotency_key="client-left-0001")
+    seen = rpc.call("observe")
+    assert (seen["pending"], seen["receipt_count"]) == (None, 1)
+    assert rpc.close() == 8
+    info = status(gitrun, "s-left")
+    assert (info["phase"], info["pending"], info["unrecorded_receipt"]) == ("running", None, None)
+    assert info["head"] == one["commit"] == git(gitrun.repo("fix-median"), "rev-parse",
+                                                 "gitrun/s-left").strip()  # fmt: skip
+    newest = service.checkpoints("s-left", service.Options(Workspace(gitrun.home)))[0].state
+    assert [e.kind for e in newest.events] == ["receipt"]
+    assert newest.pending is None
+    assert newest.receipts.last is not None
+    assert newest.receipts.last.commit == one["commit"]
 
 
 def test_an_agent_killed_after_sending_a_write_retries_it_and_gets_the_same_receipt(

@@ -22,9 +22,9 @@ from gitrun.app import service
 from gitrun.app.opening import Opened, Options, load_verified, open_run
 from gitrun.app.status import LeaseStatus, RunStatus, UnreadableLease
 from gitrun.app.workspace import Workspace
-from gitrun.core.codec import encode
+from gitrun.core.codec import digest, encode
 from gitrun.core.errors import CheckpointRejected, Exit, LeaseUnreadable
-from gitrun.core.records import Action, RunState
+from gitrun.core.records import Action, Receipt, RunState
 from gitrun.entry import status_text
 from gitrun.store.checkpoint import Stored
 from gitrun.store.lease import LeaseManager, read_lease
@@ -62,6 +62,7 @@ def _unverified_info(opened: Opened, exc: CheckpointRejected) -> dict[str, Any]:
         "checkpoint_error": str(exc),
         "head": None,
         "pending": None,
+        "unrecorded_receipt": None,
         "receipts": [],
         "verifier": None,
         "isolation": None,
@@ -71,6 +72,8 @@ def _unverified_info(opened: Opened, exc: CheckpointRejected) -> dict[str, Any]:
 
 def _checkpoint_info(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]:
     s = stored.state
+    receipts = opened.env.receipts()
+    landed = _landed(s, receipts)
     return {
         "task_id": s.task_id,
         "phase": s.phase,
@@ -78,16 +81,28 @@ def _checkpoint_info(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]
         "generation": s.generation,
         "checkpoint_ref": ref,
         "checkpoint": str(stored.oid),
-        "head": s.env.head,
+        "head": s.env.head if landed is None else landed.commit,
         "instance_id": s.env.instance_id,
-        "pending": _pending_info(s),
-        "receipts": [encode(r) for r in opened.env.receipts()],
+        "pending": _pending_info(s) if landed is None else None,
+        "unrecorded_receipt": None if landed is None else landed.commit,
+        "receipts": [encode(r) for r in receipts],
         "verifier": None if s.verifier is None else encode(s.verifier),
         "isolation": None if s.verifier is None else s.verifier.isolation,
         "agent_isolation": s.agent_isolation,
         "budgets": encode(s.budgets),
         "review": None if s.review is None else encode(s.review),
     }
+
+
+def _landed(s: RunState, receipts: list[Receipt]) -> Receipt | None:
+    p, last = s.pending, (receipts[-1] if receipts else None)
+    if p is None or last is None or last.key != p.key or last.parent != s.env.head:
+        return None
+    if last.intent_digest != p.intent_digest:
+        return None
+    if p.risk is not None and (p.approval is None or last.approval != digest(p.approval)):
+        return None
+    return last
 
 
 def _pending_info(s: RunState) -> dict[str, Any] | None:
@@ -121,7 +136,8 @@ def legacy_text(info: dict[str, Any], as_json: bool) -> str:
         + (f"  ({info['stop_reason']})" if info.get("stop_reason") else ""),
         f"repo       {info['repo']}",
         f"worktree   {info['worktree']}  branch {info['branch']}",
-        f"head       {info['head']}",
+        f"head       {info['head']}"
+        + ("  (last write, not checkpointed yet)" if info.get("unrecorded_receipt") else ""),
         f"pending    {pending['action'] + ' key ' + pending['key'] if pending else '-'}",
         f"receipts   {len(info['receipts'])}",
         f"verifier   {info['verifier']['summary'] if info['verifier'] else '-'}",

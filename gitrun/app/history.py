@@ -118,10 +118,12 @@ def rewind(run_id: str, opts: Options, to: str, key: str | None = None) -> dict[
         if key is not None:
             params["idempotency_key"] = key
         try:
-            return session.dispatch("rewind", params)
+            answer = session.dispatch("rewind", params)
         except RpcError as exc:
             raise BadInput(f"rewind: {exc.message}") from exc
         finally:
             rt.env.sync_index()
+        rt.pause()  # its receipt rides; this process writes no other checkpoint
+        return answer
     finally:
         lease.release()

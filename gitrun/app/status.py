@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gitrun.app.opening import Opened, Options, load_verified, open_run
-from gitrun.core.codec import encode
+from gitrun.core.codec import digest, encode
 from gitrun.core.errors import CheckpointRejected, LeaseUnreadable
 from gitrun.core.records import Budgets, Receipt, ReviewCase, RunState, VerifierEvent
 from gitrun.store.checkpoint import Stored
@@ -125,6 +125,7 @@ class RunStatus:
     checkpoint: CheckpointStatus | None
     checkpoint_error: str | None = None
     agent_isolation: dict[str, str] | None = None
+    unrecorded_receipt: str | None = None  # the last write's commit, not checkpointed yet
 
     def __post_init__(self) -> None:
         if (self.checkpoint is None) == (self.checkpoint_error is None):
@@ -151,6 +152,7 @@ class RunStatus:
             "stop_reason": self.stop_reason,
             "head": self.head,
             "pending": None if self.pending is None else self.pending.as_dict(),
+            "unrecorded_receipt": self.unrecorded_receipt,
             "receipts": [encode(r) for r in self.receipts],
             "verifier": None if self.verifier is None else encode(self.verifier),
             "isolation": self.isolation,
@@ -195,17 +197,33 @@ def _verified(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]:
     checkpoint = CheckpointStatus(
         s.generation, ref, str(stored.oid), s.env.instance_id, s.budgets, s.review
     )
+    receipts = opened.env.receipts()
+    landed = _landed(s, receipts)
     return {
         "task_id": s.task_id,
         "phase": s.phase,
         "stop_reason": s.stop_reason,
-        "head": s.env.head,
-        "pending": PendingStatus.of(s),
-        "receipts": tuple(opened.env.receipts()),
+        "head": s.env.head if landed is None else landed.commit,
+        "pending": PendingStatus.of(s) if landed is None else None,
+        "unrecorded_receipt": None if landed is None else landed.commit,
+        "receipts": tuple(receipts),
         "verifier": s.verifier,
         "checkpoint": checkpoint,
         "agent_isolation": s.agent_isolation,
     }
+
+
+def _landed(s: RunState, receipts: list[Receipt]) -> Receipt | None:
+    """The pending write when its commit is already the branch tip: a step's receipt rides
+    in the run's next checkpoint, so a run stopped in between shows the write done."""
+    p, last = s.pending, (receipts[-1] if receipts else None)
+    if p is None or last is None or last.key != p.key or last.parent != s.env.head:
+        return None
+    if last.intent_digest != p.intent_digest:
+        return None  # another intent under the key: resume opens a review case
+    if p.risk is not None and (p.approval is None or last.approval != digest(p.approval)):
+        return None  # not covered by the checkpoint's approval: resume opens a review case
+    return last
 
 
 def _lease(opened: Opened) -> LeaseStatus | UnreadableLease | None:

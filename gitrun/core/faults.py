@@ -27,7 +27,7 @@ POINTS: dict[str, str] = {
     "setup_before_register": "setup: inputs checked, the run not registered yet (run again)",
     "setup_lease_taken": "setup: registered and leased, no branch or worktree yet",
     "setup_worktree_added": "setup: branch and worktree made, no instance id yet",
-    "before_propose": "window 1: before a proposal; the last checkpoint is complete",
+    "before_propose": "window 1: before a proposal; the last write's receipt may still ride",
     "after_intent_checkpoint": "window 2: intent persisted, no evidence of the write",
     "exec_running": "window 2: an exec step's command running (one pass per 20 ms poll)",
     "exec_done": "window 2: an exec step's command finished, its change not yet committed",
@@ -38,11 +38,12 @@ POINTS: dict[str, str] = {
     "temp_file_written": "window 3: a worktree file's temp copy written, not renamed into place",
     "mid_file_sync": "window 3: some worktree files synced, others not",
     "after_file_sync": "window 3: files synced, receipt not in the checkpoint",
+    "receipt_riding": "window 3: receipt recorded in memory, riding to the next checkpoint",
     "checkpoint_ref_locked": "inside the checkpoint ref transaction: lock held, nothing moved",
     "checkpoint_ref_moved": "window 4: checkpoint ref advanced, its witness not yet",
     "checkpoint_witness_torn": "window 4: the witness slot half written (a torn write)",
     "checkpoint_witness_written": "window 4: ref and witness advanced, not yet acted on",
-    "before_verify": "before the verifier runs; all writes are recorded",
+    "before_verify": "before the verifier runs; the last receipt rides in its verdict",
     "after_verify": "the verifier passed or failed, its event not yet checkpointed",
 }
 

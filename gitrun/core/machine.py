@@ -5,6 +5,11 @@ Nothing in this module does I/O, reads a clock or imports pygit2: time arrives o
 events, and what must happen in the world (a checkpoint advance, a write, a verifier
 run) leaves as effects, in order, for the runtime to perform. An event the current
 phase does not accept raises :class:`IllegalTransition`; it never passes silently.
+
+A step is two commit points, not three: the intent checkpoint, then the write commit.
+The receipt is not checkpointed on its own: it is held (:class:`Hold`) and rides in the
+next checkpoint the run writes anyway. So at most one receipt is ever unwritten, always
+the one of the checkpoint's own pending key, and nothing executes until it is written.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from gitrun.core.machine_events import (
     Finished,
     Freeze,
     Grant,
+    Hold,
     MachineEvent,
     Outcome,
+    Pause,
     PendingRejectedAtExecute,
     Persist,
     ProposalRejected,
@@ -73,9 +80,11 @@ __all__ = [
     "Finished",
     "Freeze",
     "Grant",
+    "Hold",
     "IllegalTransition",
     "MachineEvent",
     "Outcome",
+    "Pause",
     "PendingRejectedAtExecute",
     "Persist",
     "ProposalRejected",
@@ -156,6 +165,10 @@ def _executing(s: RunState, e: MachineEvent) -> Pending:
         raise IllegalTransition(s.phase, e, "no pending action to execute")
     if s.phase != RUNNING:
         raise RunFrozen(s.phase, e, frozen_message(s))
+    if s.events:
+        # Every state that sets a pending is persisted at once; unwritten events here
+        # would mean a write whose intent (or whose predecessor's receipt) no checkpoint has.
+        raise IllegalTransition(s.phase, e, "the run's state is ahead of its checkpoint")
     return s.pending
 
 
@@ -361,7 +374,9 @@ def _record(s: RunState, p: Pending, r: Receipt, replayed: bool, at: float) -> O
         s, pending=None, env=env, budgets=budgets, receipts=s.receipts.add(r)
     ).with_events(Event("receipt", at, data))
     how = "reconciled" if replayed else "committed"
-    effects: tuple[Effect, ...] = (Persist(nxt), Say(f"{how} {r.commit[:12]} for {r.key}"))
+    # No checkpoint of its own: the receipt rides in the run's next one (see the module
+    # docstring); until then the write commit is the authority and resume reconciles.
+    effects: tuple[Effect, ...] = (Hold(nxt), Say(f"{how} {r.commit[:12]} for {r.key}"))
     if env.adapter_generation % INDEX_SYNC_EVERY == 0:
         effects = (*effects, SyncIndex())
     return nxt, effects
@@ -399,6 +414,12 @@ def _open_review(
     )
 
 
+def _pause(s: RunState, e: Pause) -> Outcome:
+    """The driver stops: write what is still held (a riding receipt), else nothing."""
+    del e
+    return s, ((Persist(s),) if s.events else ())
+
+
 _HANDLERS: dict[type, Callable[[RunState, Any], Outcome]] = {
     Proposed: _proposed,
     ProposalRejected: _proposal_rejected,
@@ -415,4 +436,5 @@ _HANDLERS: dict[type, Callable[[RunState, Any], Outcome]] = {
     ReviewAbort: machine_evidence.review,
     VerifierResult: machine_evidence.verifier_result,
     VerifierCannotStart: machine_evidence.verifier_cannot_start,
+    Pause: _pause,
 }

@@ -118,6 +118,14 @@ class ReceiptConflict:
     at: float
 
 
+@dataclass(frozen=True)
+class Pause:
+    """The driver stops without a checkpoint of its own (a session's agent left, a rewind's
+    one step is done): the receipt still riding in memory, if any, is written now."""
+
+    at: float
+
+
 # -- events: humans --------------------------------------------------------------------
 
 
@@ -214,6 +222,7 @@ MachineEvent = (
     | ReviewAbort
     | VerifierResult
     | VerifierCannotStart
+    | Pause
 )
 
 # -- effects ---------------------------------------------------------------------------
@@ -222,6 +231,17 @@ MachineEvent = (
 @dataclass(frozen=True)
 class Persist:
     """Advance the checkpoint to ``state`` (validated, signed, CAS, fenced)."""
+
+    state: RunState
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Make ``state`` the run's without writing it: a recorded receipt rides in the next
+    checkpoint the run writes anyway (the next intent, a freeze, the verdict, a pause).
+    Until then the write commit on the branch is the authority, and resume takes it in
+    from there (window 3 of DESIGN.md §3); ``state.events`` holds what is still unwritten.
+    """
 
     state: RunState
 
@@ -269,6 +289,6 @@ class SyncIndex:
     """Bring the worktree's index up to HEAD (bounds how far it lags)."""
 
 
-Effect = Persist | Execute | RunVerifier | Freeze | Say | ClearInbox | SyncIndex
+Effect = Persist | Hold | Execute | RunVerifier | Freeze | Say | ClearInbox | SyncIndex
 
 Outcome = tuple[RunState, tuple[Effect, ...]]

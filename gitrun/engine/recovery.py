@@ -6,7 +6,9 @@ Window by window (DESIGN.md §3):
 1. no pending intent: re-observe; the agent decides again from the same cursor;
 2. intent persisted, branch unmoved: the loop executes it once with the same key;
 3. branch moved by exactly the pending write: verify that commit is the deterministic
-   result (parent, trailers, tree), finish an interrupted file sync, record the receipt;
+   result (parent, trailers, tree), finish an interrupted file sync, record the receipt.
+   Not only a crash's window: a step's receipt has no checkpoint of its own (it rides
+   in the next one), so every run stopped between two steps is left here;
 4. receipt recorded: nothing to redo; the loop replays only the state transition.
 
 The receipt cached in the checkpoint is checked against the authoritative commit first:
@@ -26,7 +28,7 @@ from gitrun.core.errors import EnvironmentDrift, GateRejected, GitrunError, Rece
 from gitrun.core.exec_policy import REVIEW
 from gitrun.core.records import EXEC, Event, RunState
 from gitrun.engine.runtime import Runtime
-from gitrun.store import gitstore, trees
+from gitrun.store import gitstore, receipts, trees
 
 
 def check_cached_receipt(rt: Runtime, *, repair: bool = True) -> None:
@@ -72,16 +74,38 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
     env.check_head_on_branch()
     tip = env.head()
     checkpointed = pygit2.Oid(hex=s.env.head)
-    if tip.id != checkpointed and not env.repo.descendant_of(tip.id, checkpointed):
+    explained = _explained(rt)
+    if not _holds(env.repo, tip.id, checkpointed) or not _holds(env.repo, tip.id, explained):
         # Moved backwards or sideways: name that, not the receipts it made unreachable.
-        raise _classify_drift(env.repo, checkpointed, tip.id)
+        raise _classify_drift(env.repo, explained, tip.id)
     check_cached_receipt(rt, repair=apply)
     skip = _own_leftovers(rt, apply=apply)
     if str(tip.id) == s.env.head:
         return _at_checkpointed_head(rt, tip, skip, apply=apply)
     if s.pending is not None and _is_pending_write(rt, tip):
         return _reconcile_write(rt, tip, skip, apply=apply)
-    raise _classify_drift(env.repo, pygit2.Oid(hex=s.env.head), tip.id)
+    raise _classify_drift(env.repo, explained, tip.id)
+
+
+def _holds(repo: pygit2.Repository, tip: pygit2.Oid, commit: pygit2.Oid) -> bool:
+    return tip == commit or repo.descendant_of(tip, commit)
+
+
+def _explained(rt: Runtime) -> pygit2.Oid:
+    """The last commit the checkpoint accounts for: its HEAD, or the pending intent's write
+    made on it. A step's receipt rides in the run's next checkpoint, so a stopped run's
+    branch is normally one write ahead; drift is named from that write (its receipt index
+    says it was made: a branch without it was moved back or rewritten)."""
+    s = rt.state
+    head = pygit2.Oid(hex=s.env.head)
+    if s.pending is None:
+        return head
+    oid = gitstore.read_ref(rt.env.repo, receipts.index_ref(s.run_id, s.pending.key))
+    commit = rt.env.repo.get(oid) if oid is not None else None
+    if not isinstance(commit, pygit2.Commit) or list(commit.parent_ids) != [head]:
+        return head
+    receipt = rt.env.receipt_of(commit)
+    return commit.id if receipt is not None and receipt.key == s.pending.key else head
 
 
 def _reconcile_write(rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool) -> str:
@@ -182,10 +206,12 @@ def _require_branch(rt: Runtime) -> None:
     """The run's branch must exist; if not, say which commit the checkpoint names."""
     env, head = rt.env, rt.state.env.head
     if gitstore.read_ref(env.repo, env.branch) is None:
+        last = str(_explained(rt))  # the pending's write, when its receipt rides still
+        names = head if last == head else f"{head} and its pending write {last}"
         raise EnvironmentDrift(
             "branch-missing",
-            f"{env.branch} does not exist; the checkpoint names {head}: restore it with "
-            f"`git -C {env.repo.workdir or env.repo.path} update-ref {env.branch} {head}` "
+            f"{env.branch} does not exist; the checkpoint names {names}: restore it with "
+            f"`git -C {env.repo.workdir or env.repo.path} update-ref {env.branch} {last}` "
             "and resume; nothing was changed",
         )
 

@@ -81,6 +81,10 @@ class Runtime:
     def _perform(self, effect: m.Effect) -> None:
         if isinstance(effect, m.Persist):
             self.commit(effect.state)
+        elif isinstance(effect, m.Hold):
+            # A receipt recorded, not written: it rides in the next checkpoint.
+            self.state = effect.state
+            faults.point("receipt_riding")
         elif isinstance(effect, m.Say):
             self.say(effect.line)
         elif isinstance(effect, m.Execute):
@@ -95,8 +99,14 @@ class Runtime:
             self.env.sync_index()
         # Freeze: the run's phase now waits for a human; run() stops and raises Frozen.
 
+    def pause(self) -> None:
+        """The driver stops here (not done, not frozen): write a receipt still riding,
+        so the checkpoint a stopped run leaves is its whole state."""
+        self.apply(m.Pause(time.time()))
+
     def commit(self, state: RunState) -> None:
-        """Persist: make ``state`` the next checkpoint (generation + 1)."""
+        """Persist: make ``state`` the next checkpoint (generation + 1); the events it
+        carries (a receipt riding since the last one included) go into the chain."""
         now = time.time()
         fence = self.lease.fence
         nxt = m.stamp(

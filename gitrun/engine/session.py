@@ -3,7 +3,8 @@
 The session is the run's agent (DESIGN.md §10). Each mutating request becomes one gated
 step through the runtime's public methods: ``step()`` persists the intent (with the
 client's idempotency key when it brings one), ``execute_pending()`` makes the fenced
-write and records the receipt. A client key already on the branch is looked up first:
+write and records the receipt (it rides in the next checkpoint; the session's end writes
+one if the agent leaves first). A client key already on the branch is looked up first:
 the same intent answers with the original receipt (``replayed``), another intent is the
 seed's conflict and the run goes to ``needs_review``. ``docs/protocol.md`` is the spec.
 """
@@ -109,7 +110,9 @@ class Session:
         return self.end()
 
     def end(self) -> RunState:
+        """The agent left: write the last receipt if it still rides, then say how it ended."""
         rt = self.rt
+        rt.pause()
         rt.env.sync_index()
         s = rt.state
         if s.phase in (AWAITING_APPROVAL, NEEDS_REVIEW):
