@@ -748,6 +748,9 @@ def test_takeover_after_lets_a_second_worker_take_a_stopped_owners_lease_before_
     early = gitrun("resume", "r", "-q", "--worker-id", "worker-b", "--takeover-after", "6")
     assert early.code == OWNED, early.err
 
+    # Stop A just after a renewal, not in the middle of one (holding the lease ref's lock).
+    renewed = lease_of(gitrun, "r")["renewed_at"]
+    wait_until(lambda: lease_of(gitrun, "r")["renewed_at"] != renewed, "A to renew its lease")
     os.kill(a.pid, signal.SIGSTOP)
     stopped = time.time()
     expires = lease_of(gitrun, "r")["expires_at"]
