@@ -1,20 +1,28 @@
 """Shared fixtures: hermetic git, a private workspace per test, the CLI as a real process,
 session-wide signing keys and template runs, process reaping. Their building blocks (and
-the names tests import from here) live in helpers.py."""
+the names tests import from here) live in helpers.py.
+
+The suite runs in parallel (pytest-xdist): what a test must do to be parallel-safe, and
+how tests that share a module-scoped fixture stay on one worker, is in parallel.py.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import parallel
 import pytest
 from helpers import (
     Gitrun,
     Keys,
     Result,
     Templates,
+    compile_gitrun,
     git,
     make_keys,
     reap_all,
@@ -53,7 +61,43 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run the long soak variants")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, before any worker starts
+        compile_gitrun()
+    parallel.optimise_workers(config)
+    parallel.check_worker(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    parallel.cleanup()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: twice the CPUs (at least 2, at most 8): most tests wait on their child
+    processes, fsync and sleeps, so more workers than cores keep the cores busy.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it."""
+    forced = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if forced:
+        return int(forced)
+    return max(2, min(8, 2 * len(os.sched_getaffinity(0))))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    parallel.configure_node(node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n N`` (xdist's ``--dist load``): our groups-aware scheduler (parallel.py)."""
+    if config.getvalue("dist") in ("load", "loadgroup"):
+        return parallel.GroupScheduling(config, log)
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    parallel.mark_shared_fixture_groups(config, items)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow soak variant: pass --run-slow")

@@ -588,6 +588,7 @@ def random_kills(baselines: dict[str, Baseline], count: int, root: Path) -> None
         assert in_resume >= count // 10, "too few kills landed inside `gitrun resume`"
 
 
+@pytest.mark.xdist_group("crash-random-kills")  # beside the matrix, with baselines of its own
 @pytest.mark.timeout(600)
 def test_runs_killed_at_random_moments_and_resumed_until_done_end_like_uninterrupted_runs(
     baselines: dict[str, Baseline], tmp_path: Path

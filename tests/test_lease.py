@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -120,14 +122,30 @@ def lease_of(gitrun: Gitrun, run_id: str) -> dict[str, Any]:
 
 
 def slow_task(sandbox_copy: Callable[[str], Path]) -> Path:
-    """fix-median with one more test that sleeps ``SLOW_TEST_SECONDS`` (from the worker's
-    environment, which the verifier passes on): a verifier step that takes a while."""
+    """fix-median with one more test that sleeps ``SLOW_TEST_SECONDS`` at most (from the
+    worker's environment, which the verifier passes on), or until the file
+    ``SLOW_TEST_UNTIL`` exists: a verifier step that lasts until the test lets it end, so
+    what the test checks meanwhile holds however loaded the machine is."""
     task = sandbox_copy("fix-median")
     (task / "repo" / "tests" / "test_slow.py").write_text(
         "import os\nimport time\n\n\ndef test_slow():\n"
-        '    time.sleep(float(os.environ.get("SLOW_TEST_SECONDS", "0")))\n'
+        '    deadline = time.monotonic() + float(os.environ.get("SLOW_TEST_SECONDS", "0"))\n'
+        '    until = os.environ.get("SLOW_TEST_UNTIL", "")\n'
+        "    while time.monotonic() < deadline and not (until and os.path.exists(until)):\n"
+        "        time.sleep(0.05)\n"
     )
     return task
+
+
+@pytest.fixture
+def release() -> Iterator[Path]:
+    """A file that ends the slow verifier once made: outside /tmp, which the verifier's
+    sandbox replaces, so the code under test sees it appear."""
+    where = Path(tempfile.mkdtemp(prefix="gitrun-lease-", dir="/var/tmp"))
+    try:
+        yield where / "release"
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def in_verifier(gitrun: Gitrun, run_id: str) -> bool:
@@ -282,12 +300,16 @@ def test_two_resumes_started_together_on_a_crashed_run_one_finishes_the_other_is
 
 @pytest.mark.timeout(90)
 def test_resume_of_a_run_a_live_worker_owns_exits_at_once_naming_the_owner_and_expiry(
-    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], reap: list[subprocess.Popen[str]]
+    gitrun: Gitrun,
+    sandbox_copy: Callable[[str], Path],
+    reap: list[subprocess.Popen[str]],
+    release: Path,
 ) -> None:
     task = slow_task(sandbox_copy)
     owner = gitrun.popen(
-        "run", str(task), "--run-id", "r", "-q", "--worker-id", "worker-a", SLOW_TEST_SECONDS="5"
-    )
+        "run", str(task), "--run-id", "r", "-q", "--worker-id", "worker-a",
+        SLOW_TEST_SECONDS="60", SLOW_TEST_UNTIL=str(release),
+    )  # fmt: skip
     reap.append(owner)
     wait_until(lambda: in_verifier(gitrun, "r"), "the owner to reach its verifier")
 
@@ -309,6 +331,7 @@ def test_resume_of_a_run_a_live_worker_owns_exits_at_once_naming_the_owner_and_e
     text = gitrun("status", "r")
     assert re.search(r"lease\s+worker-a v1 live until \d\d:\d\d:\d\d", text.out), text.out
 
+    release.touch()
     out, err = owner.communicate(timeout=60)
     assert owner.returncode == 0, err
     assert "done" in out
@@ -492,7 +515,10 @@ def test_a_stopped_worker_whose_lease_was_taken_over_has_its_late_work_refused_a
 
 @pytest.mark.timeout(120)
 def test_when_a_stopped_worker_dies_the_worker_that_took_over_its_lease_keeps_it(
-    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], reap: list[subprocess.Popen[str]]
+    gitrun: Gitrun,
+    sandbox_copy: Callable[[str], Path],
+    reap: list[subprocess.Popen[str]],
+    release: Path,
 ) -> None:
     task = slow_task(sandbox_copy)
     a = gitrun.popen(
@@ -512,7 +538,10 @@ def test_when_a_stopped_worker_dies_the_worker_that_took_over_its_lease_keeps_it
     os.kill(a.pid, signal.SIGSTOP)
     wait_until(lambda: not lease_of(gitrun, "r")["live"], "A's lease to expire")
 
-    b = gitrun.popen("resume", "r", "-q", "--worker-id", "worker-b", SLOW_TEST_SECONDS="5")
+    b = gitrun.popen(
+        "resume", "r", "-q", "--worker-id", "worker-b",
+        SLOW_TEST_SECONDS="60", SLOW_TEST_UNTIL=str(release),
+    )  # fmt: skip
     reap.append(b)
     wait_until(lambda: lease_of(gitrun, "r")["owner_worker"] == "worker-b", "B to take the lease")
     os.kill(a.pid, signal.SIGCONT)
@@ -525,6 +554,7 @@ def test_when_a_stopped_worker_dies_the_worker_that_took_over_its_lease_keeps_it
     c = gitrun("resume", "r", "-q", "--worker-id", "worker-c")
     assert c.code == OWNED, c.err
     assert "worker-b" in one_line(c.err)
+    release.touch()
     _, err = b.communicate(timeout=60)
     assert b.returncode == 0, err
     result = audit(gitrun, "r")
@@ -638,7 +668,10 @@ def test_the_adapter_refuses_a_write_under_a_stale_lease_even_when_called_direct
 
 @pytest.mark.timeout(90)
 def test_lease_renewal_keeps_a_verifier_longer_than_the_lease_owned(
-    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], reap: list[subprocess.Popen[str]]
+    gitrun: Gitrun,
+    sandbox_copy: Callable[[str], Path],
+    reap: list[subprocess.Popen[str]],
+    release: Path,
 ) -> None:
     task = slow_task(sandbox_copy)
     a = gitrun.popen(
@@ -651,13 +684,15 @@ def test_lease_renewal_keeps_a_verifier_longer_than_the_lease_owned(
         "worker-a",
         "--lease-seconds",
         "2",
-        SLOW_TEST_SECONDS="6",
+        SLOW_TEST_SECONDS="60",
+        SLOW_TEST_UNTIL=str(release),
     )
     reap.append(a)
     wait_until(lambda: in_verifier(gitrun, "r"), "A to reach its verifier")
     expiries = []
     tries = 0
-    while True:
+    first = time.monotonic()
+    while tries < 2 or time.monotonic() - first < 6:  # three leases' worth of intruders
         intruder = gitrun("resume", "r", "-q", "--worker-id", f"intruder-{tries}")
         info = status(gitrun, "r")
         if info["phase"] != "running":
@@ -669,6 +704,7 @@ def test_lease_renewal_keeps_a_verifier_longer_than_the_lease_owned(
         assert lease["live"]
         expiries.append(lease["expires_at"])
         tries += 1
+    release.touch()
     assert tries >= 2, tries
     assert expiries == sorted(expiries)
     assert expiries[-1] > expiries[0]  # renewed as it ran
@@ -687,7 +723,10 @@ def test_lease_renewal_keeps_a_verifier_longer_than_the_lease_owned(
 
 @pytest.mark.timeout(120)
 def test_takeover_after_lets_a_second_worker_take_a_stopped_owners_lease_before_it_expires(
-    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], reap: list[subprocess.Popen[str]]
+    gitrun: Gitrun,
+    sandbox_copy: Callable[[str], Path],
+    reap: list[subprocess.Popen[str]],
+    release: Path,
 ) -> None:
     task = slow_task(sandbox_copy)
     a = gitrun.popen(
@@ -700,7 +739,8 @@ def test_takeover_after_lets_a_second_worker_take_a_stopped_owners_lease_before_
         "worker-a",
         "--lease-seconds",
         "10",
-        SLOW_TEST_SECONDS="6",
+        SLOW_TEST_SECONDS="60",
+        SLOW_TEST_UNTIL=str(release),
     )
     reap.append(a)
     wait_until(lambda: in_verifier(gitrun, "r"), "A to reach its verifier")
@@ -708,6 +748,9 @@ def test_takeover_after_lets_a_second_worker_take_a_stopped_owners_lease_before_
     early = gitrun("resume", "r", "-q", "--worker-id", "worker-b", "--takeover-after", "6")
     assert early.code == OWNED, early.err
 
+    # Stop A just after a renewal, not in the middle of one (holding the lease ref's lock).
+    renewed = lease_of(gitrun, "r")["renewed_at"]
+    wait_until(lambda: lease_of(gitrun, "r")["renewed_at"] != renewed, "A to renew its lease")
     os.kill(a.pid, signal.SIGSTOP)
     stopped = time.time()
     expires = lease_of(gitrun, "r")["expires_at"]
@@ -718,6 +761,7 @@ def test_takeover_after_lets_a_second_worker_take_a_stopped_owners_lease_before_
     assert (lease["owner_worker"], lease["lease_version"]) == ("worker-b", 2)
     assert lease["acquired_at"] < expires  # taken while A's lease was still live
 
+    release.touch()  # A's verifier ends as soon as A runs again
     os.kill(a.pid, signal.SIGCONT)
     _, err = a.communicate(timeout=60)
     assert a.returncode == LEASE_LOST, err
