@@ -61,6 +61,8 @@ from gitrun.store.keys import Keyring, load_keyring, rotate_keyring
 pytestmark = pytest.mark.timeout(120)
 
 RUN_ID = "cp-run"
+# fix-median done: setup (1), the write's intent (2), the verdict carrying its receipt (3)
+DONE_GENERATION = 3
 TASK = "fix-median"
 REFUSED = 5
 BOTH = ("verify", "resume")
@@ -318,7 +320,7 @@ def test_a_checkpoint_signed_with_a_key_id_not_in_the_keyring_is_refused_as_unkn
 def test_an_older_checkpoint_offered_while_the_ref_is_newer_is_refused_as_stale(ws: Copy) -> None:
     store = ws.store()
     chain = store.chain(ws.ref)
-    assert [s.state.generation for s in chain] == [4, 3, 2, 1]
+    assert [s.state.generation for s in chain] == list(range(DONE_GENERATION, 0, -1))
     for older in chain[1:]:
         err = assert_refused(ws, "stale-generation", offered=older.oid, cli=())
         assert str(older.oid) in str(err)
@@ -489,7 +491,7 @@ def test_an_unchanged_copy_of_the_task_file_verifies_and_resumes(
     before = repo_bytes(ws.repo)
     res = ws.cli("checkpoint", "verify", RUN_ID, "--task", str(task_dir))
     assert res.code == 0, res.err
-    assert f"ok: run {RUN_ID} generation 4 (done)" in res.out
+    assert f"ok: run {RUN_ID} generation {DONE_GENERATION} (done)" in res.out
     res = ws.cli("resume", RUN_ID, "--task", str(task_dir))
     assert res.code == 0, res.err
     assert f"run {RUN_ID}: done" in res.out
@@ -773,7 +775,7 @@ def test_two_processes_advancing_the_same_generation_exactly_one_wins_the_other_
                 proc.kill()
                 proc.join()
     assert [p.exitcode for p in procs] == [0, 0]
-    start = 4
+    start = DONE_GENERATION
     commits = _commits_by_identity(ws.repo)
     chain = [s.oid for s in ws.store().chain(ws.ref)]
     for g in range(start, start + ROUNDS):
@@ -822,16 +824,16 @@ def test_after_rotation_old_checkpoints_still_verify_and_new_ones_carry_the_new_
     assert head.key_id == old_kid  # accepted older key
     oid = store.advance(ws.ref, next_state(head.state, events=()), head.oid, None)
     assert store.load(ws.ref, scenario_parts=None).key_id == new_kid
-    assert [s.key_id for s in store.chain(ws.ref)] == [new_kid] + [old_kid] * 4
+    assert [s.key_id for s in store.chain(ws.ref)] == [new_kid] + [old_kid] * DONE_GENERATION
     assert ws.open()[oid].peel(pygit2.Commit).message_trailers["Gitrun-Key-Id"] == new_kid
 
     res = ws.cli("checkpoint", "verify", RUN_ID)
     assert res.code == 0, res.err
-    assert f"generation 5 (done) signed with {new_kid}" in res.out
+    assert f"generation {DONE_GENERATION + 1} (done) signed with {new_kid}" in res.out
     keys = [
         line.split("key ")[1].split()[0] for line in ws.cli("checkpoints", RUN_ID).out.splitlines()
     ]
-    assert keys == [new_kid] + [old_kid] * 4
+    assert keys == [new_kid] + [old_kid] * DONE_GENERATION
     # a keyring that never learnt the new key refuses what it signed
     assert_refused(
         ws,
@@ -848,10 +850,10 @@ def test_git_log_of_the_checkpoint_ref_shows_one_readable_subject_per_generation
     ws: Copy,
 ) -> None:
     lines = git(ws.repo, "log", "--format=%H %P|%s", ws.ref).splitlines()
-    assert len(lines) == 4
+    assert len(lines) == DONE_GENERATION
     rows = [(line.split("|")[0].split(), line.split("|", 1)[1]) for line in lines]
     for i, (ids, subject) in enumerate(rows):
-        g = 4 - i
+        g = DONE_GENERATION - i
         assert re.fullmatch(rf"gitrun checkpoint g={g} (running|done) run={RUN_ID}", subject), (
             subject
         )
@@ -859,9 +861,9 @@ def test_git_log_of_the_checkpoint_ref_shows_one_readable_subject_per_generation
             assert ids[1:] == [rows[i + 1][0][0]]  # exactly one parent: the previous generation
         else:
             assert ids[1:] == []
-    assert rows[0][1].startswith("gitrun checkpoint g=4 done")
+    assert rows[0][1].startswith(f"gitrun checkpoint g={DONE_GENERATION} done")
     trailers = git(ws.repo, "log", "--format=%(trailers:key=Gitrun-Checkpoint,valueonly)", ws.ref)
-    assert trailers.split() == ["4", "3", "2", "1"]
+    assert trailers.split() == [str(g) for g in range(DONE_GENERATION, 0, -1)]
 
 
 def test_gitrun_checkpoints_lists_the_chain_with_generation_phase_time_and_key_id(ws: Copy) -> None:
@@ -870,7 +872,7 @@ def test_gitrun_checkpoints_lists_the_chain_with_generation_phase_time_and_key_i
     assert res.code == 0, res.err
     chain = ws.store().chain(ws.ref)
     lines = res.out.splitlines()
-    assert len(lines) == len(chain) == 4
+    assert len(lines) == len(chain) == DONE_GENERATION
     pattern = re.compile(
         r"g=(\d+)\s+(\S+)\s+(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\s+key (\S+)\s+([0-9a-f]{12})\b"
     )
@@ -884,7 +886,9 @@ def test_gitrun_checkpoints_lists_the_chain_with_generation_phase_time_and_key_i
         assert m[3] == time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stored.state.updated_at))
         assert m[4] == stored.key_id == _active(ws)
         assert str(stored.oid).startswith(m[5])
-    assert generations == [4, 3, 2, 1]  # newest first, one line per generation
+    assert generations == list(
+        range(DONE_GENERATION, 0, -1)
+    )  # newest first, one line per generation
     assert repo_bytes(ws.repo) == before
 
 
@@ -1028,7 +1032,7 @@ def _other_tree(ws: Copy) -> Callable[[bytes], bytes]:
         pytest.param(lambda m: m.replace(b" done run=", b" failed run=", 1), id="subject"),
         pytest.param(lambda m: m + b"Gitrun-Approved-By: mallory\n", id="extra-trailer"),
         pytest.param(
-            lambda m: m.replace(b"Gitrun-Checkpoint: 4", b"Gitrun-Checkpoint: 9"), id="trailer"
+            lambda m: m.replace(b"Gitrun-Checkpoint: 3", b"Gitrun-Checkpoint: 9"), id="trailer"
         ),
         pytest.param(None, id="tree"),
     ],
@@ -1065,7 +1069,7 @@ def _set_field(path: tuple[str, ...], value: object) -> Callable[[dict[str, Any]
             "wrong-instance", _set_field(("env", "instance_id"), "elsewhere"), id="instance"
         ),
         pytest.param("generation-gap", _set_field(("generation",), 6), id="generation-skipped"),
-        pytest.param("generation-gap", _set_field(("generation",), 3), id="generation-repeated"),
+        pytest.param("generation-gap", _set_field(("generation",), 2), id="generation-repeated"),
     ],
 )
 def test_a_correctly_signed_payload_naming_another_run_instance_or_generation_is_refused(
