@@ -27,6 +27,7 @@ opened, and that descriptor is opened when the repository is, and kept.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import fcntl
@@ -87,18 +88,26 @@ def _stage(cdir: Path) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         _clear_dead_stages(root)
         name = f"{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(root / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        lock = root / f"{name}.flock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_EX)  # held (the descriptor kept) while this process lives
         stage = root / name
         stage.mkdir()
         _stages[key] = stage
+        atexit.register(_remove_stage, stage, lock)
     return stage
+
+
+def _remove_stage(stage: Path, lock: Path) -> None:
+    """At exit: what is still staged was never published, so no ref names it."""
+    shutil.rmtree(stage, ignore_errors=True)
+    lock.unlink(missing_ok=True)
 
 
 def _clear_dead_stages(root: Path) -> None:
     """Remove the stages of processes that died: what they staged was never published,
-    so no ref names it (their ``.lock`` is free and old enough to be no newcomer's)."""
-    for lock in root.glob("*.lock"):
+    so no ref names it (their ``.flock`` is free and old enough to be no newcomer's)."""
+    for lock in root.glob("*.flock"):
         try:
             if time.time() - lock.stat().st_mtime < STALE_STAGE_SECONDS:
                 continue
