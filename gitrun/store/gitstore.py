@@ -86,13 +86,21 @@ def open_repo(path: Path | str) -> pygit2.Repository:
     return repo
 
 
+_common_dirs: dict[str, Path] = {}  # a repository's git dir -> its common dir (every move asks)
+
+
 def common_dir(repo: pygit2.Repository) -> Path:
     """The repository's common git dir (shared by all its worktrees)."""
-    gitdir = Path(repo.path)
-    commondir_file = gitdir / "commondir"
-    if commondir_file.is_file():
-        return (gitdir / commondir_file.read_text().strip()).resolve()
-    return gitdir.resolve()
+    found = _common_dirs.get(repo.path)
+    if found is None:
+        gitdir = Path(repo.path)
+        commondir_file = gitdir / "commondir"
+        if commondir_file.is_file():
+            found = (gitdir / commondir_file.read_text().strip()).resolve()
+        else:
+            found = gitdir.resolve()
+        _common_dirs[repo.path] = found
+    return found
 
 
 def read_ref(repo: pygit2.Repository, name: str) -> pygit2.Oid | None:
@@ -374,6 +382,6 @@ def read_blob(repo: pygit2.Repository, oid: pygit2.Oid) -> bytes:
 
 
 def write_blob(repo: pygit2.Repository, data: bytes) -> pygit2.Oid:
-    """Write one blob object (durable when fsync is on)."""
+    """Write one blob object (staged: durable with the next ref move, which names it)."""
     oid: pygit2.Oid = repo.create_blob(data)
     return oid
