@@ -255,7 +255,7 @@ def _swap(
         _write_lock(lock, move.new)
         reflog.append(repo, cdir, move.name, actual, move.new, move.message)
         locks += _rider_locks(repo, cdir, riders)
-        durable.barrier(cdir)
+        durable.barrier(repo, cdir, move.new, actual)
         if point:
             faults.point(f"{point}_synced")
         for rider in locks[1:]:
