@@ -163,10 +163,20 @@ def assert_refused(
     return info.value
 
 
+def _with_stage(repo: Path) -> dict[str, str]:
+    """git's environment with gitrun's stage as an alternate: objects no ref names yet
+    (an orphan that lost its compare-and-swap) live there, never in ``objects/``."""
+    stage = repo / ".git" / "gitrun" / "stage"
+    return {**os.environ, "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(stage)}
+
+
 def _raw_commit(repo: Path, oid: str) -> tuple[bytes, bytes]:
     """(header, message) of a commit object, as git stores it."""
     raw = subprocess.run(
-        ["git", "-C", str(repo), "cat-file", "commit", oid], capture_output=True, check=True
+        ["git", "-C", str(repo), "cat-file", "commit", oid],
+        capture_output=True,
+        check=True,
+        env=_with_stage(repo),
     ).stdout
     header, _, message = raw.partition(b"\n\n")
     return header, message
@@ -725,7 +735,7 @@ def _race_worker(where: tuple[str, str, str], name: str, barrier: Any, results: 
 
 
 def _commits_by_identity(repo: Path) -> dict[tuple[int, str], str]:
-    """Every checkpoint commit in the object database, reachable or not."""
+    """Every checkpoint commit in the object database (and the stage), reachable or not."""
     out = subprocess.run(
         [
             "git",
@@ -738,6 +748,7 @@ def _commits_by_identity(repo: Path) -> dict[tuple[int, str], str]:
         capture_output=True,
         text=True,
         check=True,
+        env=_with_stage(repo),
     ).stdout.split()
     found: dict[tuple[int, str], str] = {}
     for oid, kind in zip(out[::2], out[1::2], strict=True):

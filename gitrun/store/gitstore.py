@@ -26,6 +26,7 @@ backend, so each step has exactly one commit point and everything else is derive
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import random
@@ -39,7 +40,7 @@ import pygit2
 from pygit2.enums import Option
 
 from gitrun.core import faults
-from gitrun.core.errors import CasFailed, EnvironmentDrift, RefLocked, Refused
+from gitrun.core.errors import CasFailed, EnvironmentDrift, GitrunError, RefLocked, Refused
 from gitrun.store import durable, reflog
 from gitrun.store.atomicfile import fsync_dir as fsync_dir  # noqa: PLC0414 - re-export for callers
 from gitrun.store.oslock import LockBusy, busy_error
@@ -311,17 +312,24 @@ def later(repo: pygit2.Repository, name: str) -> pygit2.Oid | None:
 
 
 def flush_later() -> None:
-    """Write every queued cache ref now, with one barrier of its own (at exit)."""
+    """Write every queued cache ref now, with one barrier of its own (at exit). A cache
+    entry that cannot be written (its repository gone, its lock held) is left to the
+    next lookup, which rebuilds it from the history."""
     for cdir, riders in list(_later.items()):
         repo = _later_repos[cdir]
         _later.pop(cdir, None)
-        with os_locks(repo, list(riders)), _requeue(repo, riders):
-            locks = _rider_locks(repo, cdir, riders)
-            if locks:
-                durable.sync_filesystem(cdir)
-                for lock in locks:
-                    os.rename(lock, lock.with_suffix(""))
-                durable.sync_filesystem(cdir)
+        with contextlib.suppress(OSError, pygit2.GitError, GitrunError):
+            _write_riders(repo, cdir, riders)
+
+
+def _write_riders(repo: pygit2.Repository, cdir: Path, riders: dict[str, pygit2.Oid]) -> None:
+    with os_locks(repo, list(riders)), _requeue(repo, riders):
+        locks = _rider_locks(repo, cdir, riders)
+        if locks:
+            durable.sync_filesystem(cdir)
+            for lock in locks:
+                os.rename(lock, lock.with_suffix(""))
+            durable.sync_filesystem(cdir)
 
 
 @contextmanager

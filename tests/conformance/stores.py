@@ -202,8 +202,8 @@ class GitStores(Stores):
         return None if found is None else str(found)
 
     def objects(self) -> int:
-        loose = [p for p in (self.dir / ".git" / "objects").glob("??/*") if p.is_file()]
-        return len(loose)
+        stores = [self.dir / ".git" / "objects", self.dir / ".git" / "gitrun" / "stage"]
+        return sum(1 for d in stores for p in d.glob("??/*") if p.is_file())
 
 
 def _ring(name: str) -> Keyring:
