@@ -10,15 +10,16 @@ for all the objects its new value reaches:
 
 1. the staged objects the new value reaches are found by comparing it with the ref's
    old value (only changed tree entries are followed: the cost is the change's, not
-   the tree's); then ``syncfs`` of the repository's filesystem: their bytes, the new
-   ref's ``.lock`` and its reflog line are on disk, under names no reader trusts yet;
+   the tree's); then ``syncfs`` of the repository's filesystem: their bytes and the new
+   ref's ``.lock`` are on disk, under names no reader trusts yet;
 2. the staged objects are renamed to their real names in ``objects/xx/`` (an object is
    never visible under its name before its bytes are durable: a power cut leaves no
    empty object file that libgit2 would later take for the real one, since libgit2
    skips writing an object whose file exists), then a second ``syncfs`` makes the names
    durable;
-3. the ``.lock`` is renamed over the ref (the commit point), then a third ``syncfs``
-   makes it durable before the caller acknowledges anything.
+3. the reflog line is appended, the ``.lock`` is renamed over the ref (the commit
+   point), then a third ``syncfs`` makes both durable before the caller acknowledges
+   anything.
 
 That is the order libgit2's per-file fsync gives (bytes, then the name, then the ref that
 names it, each durable before the next), in three syncs per ref move, however many

@@ -241,8 +241,8 @@ class _Move:
 def _swap(
     repo: pygit2.Repository, move: _Move, guards: Sequence[Guard], riders: dict[str, pygit2.Oid]
 ) -> None:
-    """Take ``<ref>.lock`` (git's own lock protocol), compare, write the new value and
-    its reflog line, barrier (objects and locks durable), rename (the commit point), sync.
+    """Take ``<ref>.lock`` (git's own lock protocol), compare, write the new value,
+    barrier (objects and locks durable), reflog line, rename (the commit point), sync.
     Cache refs riding along (:func:`write_later`) are renamed after the same barrier."""
     cdir, point = common_dir(repo), move.crash_prefix
     lock = _take_lock(cdir, move.name)
@@ -254,11 +254,13 @@ def _swap(
             faults.point(f"{point}_locked")
         actual = _compare(repo, move.name, move.expected, guards, move.what)
         _write_lock(lock, move.new)
-        reflog.append(repo, cdir, move.name, actual, move.new, move.message)
         locks += _rider_locks(repo, cdir, riders)
         durable.barrier(repo, cdir, move.new, actual)
         if point:
             faults.point(f"{point}_synced")
+        # After the barrier: a reflog line never names an object still in the stage
+        # (git fsck would call it invalid); the final sync makes it durable with the move.
+        reflog.append(repo, cdir, move.name, actual, move.new, move.message)
         for rider in locks[1:]:
             os.rename(rider, rider.with_suffix(""))
         os.rename(lock, cdir / move.name)

@@ -3,8 +3,9 @@
 gitrun writes its loose refs itself (so the new value's bytes are durable before the
 rename that makes them the ref: :func:`gitrun.store.gitstore.update_ref`), and with them the
 reflog line git keeps for branches: ``git reflog gitrun/<run>`` still lists every move of
-a run branch. The line is appended before the barrier, so it is durable with the move,
-at no sync of its own. Which refs get one follows git: ``core.logAllRefUpdates`` (true
+a run branch. The line is appended after the barrier (so it names only published
+objects) and before the rename; the move's final sync makes it durable, at no sync of
+its own. Which refs get one follows git: ``core.logAllRefUpdates`` (true
 by default in a repository with a worktree: branches, remote-tracking refs and notes;
 ``always``: every ref), or a reflog file that already exists.
 """
@@ -50,7 +51,7 @@ def append(
     message: str,
 ) -> None:
     """Append ``old -> new`` to ``ref``'s reflog when git would keep one (unsynced: the
-    barrier that follows makes it durable with the move)."""
+    move's final sync makes it durable)."""
     mode, name, email = _settings(repo, cdir)
     path = cdir / "logs" / ref
     logged = mode == "always" or (mode in ("true", "yes", "on", "1") and ref.startswith(_LOGGED))
