@@ -802,6 +802,7 @@ def test_two_processes_advancing_the_same_generation_exactly_one_wins_the_other_
             subprocess.run(
                 ["git", "-C", str(ws.repo), "merge-base", "--is-ancestor", lost_oid, ws.ref],
                 check=False,
+                env=_with_stage(ws.repo),
             ).returncode
             == 1
         )
