@@ -25,8 +25,6 @@ backend, so each step has exactly one commit point and everything else is derive
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import hashlib
 import os
 import random
@@ -40,7 +38,7 @@ import pygit2
 from pygit2.enums import Option
 
 from gitrun.core import faults
-from gitrun.core.errors import CasFailed, EnvironmentDrift, GitrunError, RefLocked, Refused
+from gitrun.core.errors import CasFailed, EnvironmentDrift, RefLocked, Refused
 from gitrun.store import durable, reflog
 from gitrun.store.atomicfile import fsync_dir as fsync_dir  # noqa: PLC0414 - re-export for callers
 from gitrun.store.oslock import LockBusy, busy_error
@@ -186,19 +184,19 @@ def update_ref(
     Every guard ref is re-read under its OS lock and its check called with its value;
     a check that raises aborts, nothing moves. A move is durable when this returns, and
     so is every object this process wrote before it (:mod:`gitrun.store.durable`).
-    Queued cache refs (:func:`write_later`) ride every move but a ``cache`` one's.
+    A ``cache`` ref (a receipt index entry) skips the final sync: its bytes are durable
+    before its rename, and the next move's barrier makes the rename durable (a power cut
+    may lose the newest entry, never tear it; lookups rebuild it from the history).
     """
-    riders = _later.pop(common_dir(repo), {}) if new is not None and not cache else {}
-    riders.pop(name, None)
-    names = [name, *(g.name for g in guards), *riders]
-    with os_locks(repo, names), _requeue(repo, riders):
+    names = [name, *(g.name for g in guards)]
+    with os_locks(repo, names):
         for attempt in range(50):
             try:
                 if new is None:
                     _delete(repo, name, expected, guards, what, crash_prefix)
                 else:
-                    move = _Move(name, expected, new, message, what, crash_prefix)
-                    _swap(repo, move, guards, riders)
+                    move = _Move(name, expected, new, message, what, crash_prefix, cache)
+                    _swap(repo, move, guards)
             except (pygit2.GitError, _LockTaken) as exc:
                 # A foreign process holds a ref lock for a moment: retry with jitter.
                 if attempt == 49:
@@ -236,41 +234,37 @@ class _Move:
     message: str
     what: str
     crash_prefix: str
+    cache: bool
 
 
-def _swap(
-    repo: pygit2.Repository, move: _Move, guards: Sequence[Guard], riders: dict[str, pygit2.Oid]
-) -> None:
+def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> None:
     """Take ``<ref>.lock`` (git's own lock protocol), compare, write the new value,
-    barrier (objects and locks durable), reflog line, rename (the commit point), sync.
-    Cache refs riding along (:func:`write_later`) are renamed after the same barrier."""
+    barrier (objects and lock durable), reflog line, rename (the commit point), sync."""
     cdir, point = common_dir(repo), move.crash_prefix
     lock = _take_lock(cdir, move.name)
     if lock is None:
         raise _LockTaken(f"{move.name}.lock exists")
-    locks = [lock]
+    moved = False
     try:
         if point:
             faults.point(f"{point}_locked")
         actual = _compare(repo, move.name, move.expected, guards, move.what)
         _write_lock(lock, move.new)
-        locks += _rider_locks(repo, cdir, riders)
         durable.barrier(repo, cdir, move.new, actual)
         if point:
             faults.point(f"{point}_synced")
         # After the barrier: a reflog line never names an object still in the stage
         # (git fsck would call it invalid); the final sync makes it durable with the move.
         reflog.append(repo, cdir, move.name, actual, move.new, move.message)
-        for rider in locks[1:]:
-            os.rename(rider, rider.with_suffix(""))
         os.rename(lock, cdir / move.name)
-        locks = []
+        moved = True
     finally:
-        for left in locks:
-            left.unlink(missing_ok=True)  # nothing moved: release the refs
+        if not moved:
+            lock.unlink(missing_ok=True)  # nothing moved: release the ref
     if point:
         faults.point(f"{point}_moved")
-    durable.sync_filesystem(cdir)  # the move is durable before anyone is told of it
+    if not move.cache:
+        durable.sync_filesystem(cdir)  # the move is durable before anyone is told of it
 
 
 def _take_lock(cdir: Path, name: str) -> Path | None:
@@ -290,73 +284,6 @@ def _write_lock(lock: Path, oid: pygit2.Oid) -> None:
         os.write(fd, f"{oid}\n".encode())
     finally:
         os.close(fd)
-
-
-_later: dict[Path, dict[str, pygit2.Oid]] = {}  # common dir -> cache refs for the next move
-_later_repos: dict[Path, pygit2.Repository] = {}  # ... and a repository to write them with
-
-
-def write_later(repo: pygit2.Repository, name: str, new: pygit2.Oid) -> None:
-    """Point the cache ref ``name`` (a receipt index entry) at ``new`` with this process's
-    next ref move, inside its barriers: no syncs of its own, never durable before the move
-    it follows. Written at exit when no move follows; a killed process loses it, and the
-    next lookup rebuilds it from the history."""
-    cdir = common_dir(repo)
-    if not _later_repos:
-        atexit.register(flush_later)
-    _later_repos.setdefault(cdir, repo)
-    _later.setdefault(cdir, {})[name] = new
-
-
-def later(repo: pygit2.Repository, name: str) -> pygit2.Oid | None:
-    """The value this process will write to ``name`` with its next move, if any."""
-    return _later.get(common_dir(repo), {}).get(name)
-
-
-def flush_later() -> None:
-    """Write every queued cache ref now, with one barrier of its own (at exit). A cache
-    entry that cannot be written (its repository gone, its lock held) is left to the
-    next lookup, which rebuilds it from the history."""
-    for cdir, riders in list(_later.items()):
-        repo = _later_repos[cdir]
-        _later.pop(cdir, None)
-        with contextlib.suppress(OSError, pygit2.GitError, GitrunError):
-            _write_riders(repo, cdir, riders)
-
-
-def _write_riders(repo: pygit2.Repository, cdir: Path, riders: dict[str, pygit2.Oid]) -> None:
-    with os_locks(repo, list(riders)), _requeue(repo, riders):
-        locks = _rider_locks(repo, cdir, riders)
-        if locks:
-            durable.sync_filesystem(cdir)
-            for lock in locks:
-                os.rename(lock, lock.with_suffix(""))
-            durable.sync_filesystem(cdir)
-
-
-@contextmanager
-def _requeue(repo: pygit2.Repository, riders: dict[str, pygit2.Oid]) -> Iterator[None]:
-    """Riders of a move that did not happen wait for the next one."""
-    try:
-        yield
-    except BaseException:
-        for name, oid in riders.items():
-            _later.setdefault(common_dir(repo), {}).setdefault(name, oid)
-        raise
-
-
-def _rider_locks(repo: pygit2.Repository, cdir: Path, riders: dict[str, pygit2.Oid]) -> list[Path]:
-    """Lock and write each rider not already right; one whose lock a foreign git holds
-    is skipped (a cache entry: the next lookup repairs it)."""
-    out = []
-    for name, oid in riders.items():
-        if read_ref(repo, name) == oid:
-            continue
-        lock = _take_lock(cdir, name)
-        if lock is not None:
-            _write_lock(lock, oid)
-            out.append(lock)
-    return out
 
 
 def _delete(

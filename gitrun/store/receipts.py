@@ -195,18 +195,8 @@ class GitReceiptLog:
             what="branch",
             crash_prefix="write_ref",
         )
-        # The index entry rides this process's next ref move (gitstore.write_later): no
-        # syncs of its own, durable only after the branch move it derives from.
-        gitstore.write_later(self.repo, index_ref(self.run_id, receipt.key), write)
+        self.write_index(receipt.key, write)
         return Appended(receipt, replayed=False)
-
-    def _queued(self, key: str) -> Receipt | None:
-        """The receipt whose index entry this process's own append queued (not on disk
-        yet): the entry is written now, then read back like any other."""
-        if gitstore.later(self.repo, index_ref(self.run_id, key)) is None:
-            return None
-        gitstore.flush_later()
-        return self.lookup(key, repair=False)
 
     def _receipt_to_append(
         self, write: pygit2.Oid, expected: str, fence: Fence
@@ -216,7 +206,7 @@ class GitReceiptLog:
         receipt = self.receipt_of(commit) if isinstance(commit, pygit2.Commit) else None
         if receipt is None:
             raise ReceiptDrift("not-a-write", f"{write} is not a write commit of run {self.run_id}")
-        found = self._queued(receipt.key) or self.lookup(receipt.key, since=expected, repair=False)
+        found = self.lookup(receipt.key, since=expected, repair=False)
         if found is None:
             if receipt.parent != expected:
                 raise ReceiptDrift(
