@@ -29,9 +29,15 @@ class Counts:
     fsync: float
     fdatasync: float
     created: float  # files opened with O_CREAT (temp files, lock files, journals)
+    syncfs: float = 0.0  # whole-filesystem barriers (gitrun's: durable.sync_filesystem)
+
+    @property
+    def syncs(self) -> float:
+        """Every call that waits for the disk: fsync, fdatasync and syncfs alike."""
+        return self.fsync + self.fdatasync + self.syncfs
 
     def cells(self) -> str:
-        return f"{self.fsync + self.fdatasync:.1f} | {self.created:.1f}"
+        return f"{self.syncs:.1f} | {self.created:.1f}"
 
 
 @contextlib.contextmanager
@@ -56,7 +62,7 @@ def count(script: Path, names: list[str], n: int) -> dict[str, Counts] | None:
     out: dict[str, Counts] = {}
     for name in names:
         with tempfile.NamedTemporaryFile(prefix="bench-strace-", suffix=".txt") as log:
-            cmd = [strace, "-f", "-qq", "-e", "trace=fsync,fdatasync,openat", "-o", log.name]
+            cmd = [strace, "-f", "-qq", "-e", "trace=fsync,fdatasync,syncfs,openat", "-o", log.name]
             cmd += [sys.executable, str(script), "--sync-child", name, "--iterations", str(n)]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             out[name] = parse(Path(log.name).read_text(), n)
@@ -69,7 +75,7 @@ def parse(trace: str, n: int) -> Counts:
     lines = trace.splitlines()
     begin = next(i for i, line in enumerate(lines) if BEGIN in line)
     end = next(i for i, line in enumerate(lines) if END in line)
-    fsync = fdatasync = created = 0
+    fsync = fdatasync = syncfs = created = 0
     for line in lines[begin + 1 : end]:
         m = CALL.match(line)
         if m is None or "resumed>" in line:
@@ -77,5 +83,6 @@ def parse(trace: str, n: int) -> Counts:
         call = m.group(1)
         fsync += call == "fsync"
         fdatasync += call == "fdatasync"
+        syncfs += call == "syncfs"
         created += call == "openat" and "O_CREAT" in line
-    return Counts(fsync / n, fdatasync / n, created / n)
+    return Counts(fsync / n, fdatasync / n, created / n, syncfs / n)

@@ -216,7 +216,7 @@ def render(
     head = "| contender | median ms | p95 ms | CPU ms (median) | / floor |"
     rule = "|---|---:|---:|---:|---:|"
     if counts is not None:
-        head += " fsync+fdatasync / op | files created / op |"
+        head += " syncs / op (fsync+fdatasync+syncfs) | files created / op |"
         rule += "---:|---:|"
     lines = ["### gitrun beside its peers", "", head + " notes |", rule + "---|"]
     for name, label in LABELS.items():

@@ -109,8 +109,10 @@ def snapshot(repo: Path) -> tuple[str, frozenset[str]]:
     common = Path(git(repo, "rev-parse", "--git-common-dir").strip())
     if not common.is_absolute():
         common = repo / common
+    # gitrun's stage holds the objects it wrote that no ref names yet: they count too.
+    stores = [common / "objects", common / "gitrun" / "stage"]
     objects = frozenset(
-        str(p.relative_to(common)) for p in (common / "objects").rglob("*") if p.is_file()
+        str(p.relative_to(common)) for d in stores for p in d.rglob("*") if p.is_file()
     )
     return refs, objects
 

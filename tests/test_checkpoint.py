@@ -165,10 +165,20 @@ def assert_refused(
     return info.value
 
 
+def _with_stage(repo: Path) -> dict[str, str]:
+    """git's environment with gitrun's stage as an alternate: objects no ref names yet
+    (an orphan that lost its compare-and-swap) live there, never in ``objects/``."""
+    stage = repo / ".git" / "gitrun" / "stage"
+    return {**os.environ, "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(stage)}
+
+
 def _raw_commit(repo: Path, oid: str) -> tuple[bytes, bytes]:
     """(header, message) of a commit object, as git stores it."""
     raw = subprocess.run(
-        ["git", "-C", str(repo), "cat-file", "commit", oid], capture_output=True, check=True
+        ["git", "-C", str(repo), "cat-file", "commit", oid],
+        capture_output=True,
+        check=True,
+        env=_with_stage(repo),
     ).stdout
     header, _, message = raw.partition(b"\n\n")
     return header, message
@@ -727,7 +737,7 @@ def _race_worker(where: tuple[str, str, str], name: str, barrier: Any, results: 
 
 
 def _commits_by_identity(repo: Path) -> dict[tuple[int, str], str]:
-    """Every checkpoint commit in the object database, reachable or not."""
+    """Every checkpoint commit in the object database (and the stage), reachable or not."""
     out = subprocess.run(
         [
             "git",
@@ -740,6 +750,7 @@ def _commits_by_identity(repo: Path) -> dict[tuple[int, str], str]:
         capture_output=True,
         text=True,
         check=True,
+        env=_with_stage(repo),
     ).stdout.split()
     found: dict[tuple[int, str], str] = {}
     for oid, kind in zip(out[::2], out[1::2], strict=True):
@@ -793,6 +804,7 @@ def test_two_processes_advancing_the_same_generation_exactly_one_wins_the_other_
             subprocess.run(
                 ["git", "-C", str(ws.repo), "merge-base", "--is-ancestor", lost_oid, ws.ref],
                 check=False,
+                env=_with_stage(ws.repo),
             ).returncode
             == 1
         )

@@ -439,6 +439,7 @@ def test_every_pass_of_every_write_window_point_is_crashed_in_a_multi_write_sand
         "after_intent_checkpoint",
         "after_write_commit_object",
         "write_ref_locked",
+        "write_ref_synced",
         "write_ref_moved",
         "after_receipt_index",
         "mid_file_sync",

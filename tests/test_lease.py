@@ -222,11 +222,20 @@ def assert_done_exactly_once(result: Audit, writes: int) -> None:
     assert all(n == 1 for n in Counter(result.receipt_keys).values())
 
 
+def _staged_git(repo: Path, *args: str) -> str:
+    """git with gitrun's stage as an alternate: what no ref names yet (a loser's checkpoint
+    object) lives there, never in ``objects/``."""
+    stage = str(repo / ".git" / "gitrun" / "stage")
+    env = {**os.environ, "GIT_ALTERNATE_OBJECT_DIRECTORIES": stage}
+    cmd = ["git", "-C", str(repo), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+
+
 def unreachable_commits(repo: Path) -> dict[str, str]:
     """Commit id -> raw commit text, for every commit no ref (nor reflog) reaches."""
-    out = git(repo, "fsck", "--unreachable", "--no-reflogs", "--no-progress")
+    out = _staged_git(repo, "fsck", "--unreachable", "--no-reflogs", "--no-progress")
     oids = [line.split()[2] for line in out.splitlines() if line.startswith("unreachable commit")]
-    return {oid: git(repo, "cat-file", "commit", oid) for oid in oids}
+    return {oid: _staged_git(repo, "cat-file", "commit", oid) for oid in oids}
 
 
 def checkpoint_identity(raw_commit: str) -> tuple[int, str] | None:
@@ -240,7 +249,7 @@ def checkpoint_identity(raw_commit: str) -> tuple[int, str] | None:
 
 
 def assert_invisible(repo: Path, oid: str) -> None:
-    assert git(repo, "for-each-ref", "--contains", oid) == ""
+    assert _staged_git(repo, "for-each-ref", "--contains", oid) == ""
 
 
 # -- two resumes racing on a crashed run ---------------------------------------------

@@ -285,8 +285,10 @@ def test_writes_under_a_file_and_onto_a_directory_are_refused_by_their_own_rules
 
 
 def _objects_have(repo: Path, oid: str) -> bool:
-    proc = subprocess.run(["git", "-C", str(repo), "cat-file", "-e", oid], check=False)
-    return proc.returncode == 0
+    """In the object store or gitrun's stage (objects written, not yet named by a ref)."""
+    stage = {"GIT_ALTERNATE_OBJECT_DIRECTORIES": str(repo / ".git" / "gitrun" / "stage")}
+    cmd = ["git", "-C", str(repo), "cat-file", "-e", oid]
+    return subprocess.run(cmd, check=False, env={**os.environ, **stage}).returncode == 0
 
 
 def test_a_forbidden_glob_covers_the_directory_itself(tmp_path: Path) -> None:

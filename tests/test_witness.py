@@ -13,6 +13,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,11 +174,19 @@ def approved_home(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> tuple
 
 
 def _delete_commits(repo: Path) -> list[str]:
-    """Every commit object of the risky delete, reachable or not."""
-    out = git(repo, "cat-file", "--batch-all-objects", "--batch-check=%(objectname) %(objecttype)")
+    """Every commit object of the risky delete, reachable or not (gitrun's stage, which
+    holds what no ref names yet, included)."""
+    stage = {"GIT_ALTERNATE_OBJECT_DIRECTORIES": str(repo / ".git" / "gitrun" / "stage")}
+
+    def run(*args: str) -> str:
+        env = {**os.environ, **stage}
+        cmd = ["git", "-C", str(repo), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+
+    out = run("cat-file", "--batch-all-objects", "--batch-check=%(objectname) %(objecttype)")
     commits = [line.split()[0] for line in out.splitlines() if line.endswith(" commit")]
     subject = "gitrun: delete_file units/legacy.py"
-    return [c for c in commits if git(repo, "log", "-1", "--format=%s", c).strip() == subject]
+    return [c for c in commits if run("log", "-1", "--format=%s", c).strip() == subject]
 
 
 def test_replaying_a_consumed_approval_through_a_rollback_is_refused_and_writes_nothing(

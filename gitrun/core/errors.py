@@ -127,6 +127,11 @@ class RefLocked(GitrunError, TimeoutError):
         self.ref = ref
 
 
+class StorageFailed(GitrunError, OSError):
+    """The disk reported a write error at a durability barrier: nothing after it is
+    acknowledged (exit 70, like any failure of gitrun's own machinery)."""
+
+
 class CasFailed(GitrunError, RuntimeError):
     """A compare-and-swap lost: the ref no longer held the expected value."""
 

@@ -154,7 +154,9 @@ class GitReceiptLog:
         current = gitstore.read_ref(self.repo, ref)
         if current == oid:
             return False
-        gitstore.update_ref(self.repo, ref, current, oid, message="gitrun receipt index")
+        gitstore.update_ref(
+            self.repo, ref, current, oid, message="gitrun receipt index", cache=True
+        )
         return True
 
     def rebuild_index(self) -> int:

@@ -184,8 +184,9 @@ class GitStores(Stores):
 
 
 def loose_objects(git_dir: Path) -> set[str]:
-    """The ids of the loose objects of a git dir."""
-    return {p.parent.name + p.name for p in (git_dir / "objects").glob("??/*") if p.is_file()}
+    """The ids of the loose objects of a git dir, those in gitrun's unsynced stage too."""
+    dirs = [git_dir / "objects", git_dir / "gitrun" / "stage"]
+    return {p.parent.name + p.name for d in dirs for p in d.glob("??/*") if p.is_file()}
 
 
 def draft_commit(

@@ -1,0 +1,148 @@
+"""Durability barriers: a step's git objects become durable together, before a ref names them.
+
+libgit2's own fsync costs two syncs per loose object (the file, then its directory) and
+a write step makes five objects. Instead, every :class:`pygit2.Repository` gitrun opens
+writes its new objects unsynced into the repository's *stage* (``<common dir>/gitrun/
+stage/``, a loose-object store added to the odb ahead of the real one, so they read back
+at once; git itself never looks there, and no ref names a staged object). The one ref
+compare-and-swap path (:func:`gitrun.store.gitstore.update_ref`) then runs one barrier
+for all the objects its new value reaches:
+
+1. the staged objects the new value reaches are found by comparing it with the ref's
+   old value (only changed tree entries are followed: the cost is the change's, not
+   the tree's); then ``syncfs`` of the repository's filesystem: their bytes and the new
+   ref's ``.lock`` are on disk, under names no reader trusts yet;
+2. the staged objects are renamed to their real names in ``objects/xx/`` (an object is
+   never visible under its name before its bytes are durable: a power cut leaves no
+   empty object file that libgit2 would later take for the real one, since libgit2
+   skips writing an object whose file exists), then a second ``syncfs`` makes the names
+   durable;
+3. the reflog line is appended, the ``.lock`` is renamed over the ref (the commit
+   point), then a third ``syncfs`` makes both durable before the caller acknowledges
+   anything.
+
+That is the order libgit2's per-file fsync gives (bytes, then the name, then the ref that
+names it, each durable before the next), in three syncs per ref move, however many
+objects it names, instead of two per object plus two per ref. Staged objects nothing
+names (a lost compare-and-swap, a killed process) stay in the stage, never in
+``objects/``. ``syncfs`` also flushes what libgit2 never syncs (a new worktree's admin
+files, the index) before the next ref move. Its result is checked: since Linux 5.8 it
+reports writeback errors on the filesystem since the descriptor was opened, and that
+descriptor is opened with the first repository and kept.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import pygit2
+
+from gitrun.core.errors import StorageFailed
+
+STAGE_DIR = "gitrun/stage"
+STAGE_PRIORITY = 100  # above the packed (2) and loose (1) backends: new objects land here
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syncfs = getattr(_libc, "syncfs", None)
+_watched: dict[int, int] = {}  # st_dev -> a descriptor kept open, so syncfs reports errors
+_stages: dict[Path, Path] = {}  # common dir -> its stage
+
+
+def watch(path: Path) -> None:
+    """Keep a descriptor on ``path``'s filesystem: syncfs reports errors seen since then."""
+    dev = os.stat(path).st_dev
+    if dev not in _watched:
+        _watched[dev] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def sync_filesystem(path: Path) -> None:
+    """Everything written to ``path``'s filesystem is durable when this returns."""
+    watch(path)
+    fd = _watched[os.stat(path).st_dev]
+    if _syncfs is None:  # not Linux: sync(2) flushes every filesystem
+        os.sync()
+        return
+    if _syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise StorageFailed(
+            f"the disk holding {path} reported a write error ({os.strerror(err)}): the last "
+            "change is not acknowledged; check the disk, then resume the run"
+        )
+
+
+def attach_stage(repo: pygit2.Repository, cdir: Path) -> None:
+    """Send ``repo``'s new objects to the repository's stage (unsynced until a barrier)."""
+    stage = _stages.get(cdir)
+    if stage is None:
+        stage = cdir / STAGE_DIR
+        stage.mkdir(parents=True, exist_ok=True)
+        _stages[cdir] = stage
+    repo.odb.add_backend(pygit2.OdbBackendLoose(str(stage), -1, False), STAGE_PRIORITY)
+
+
+def staged_closure(
+    repo: pygit2.Repository, cdir: Path, new: pygit2.Oid, old: pygit2.Oid | None
+) -> list[str]:
+    """The staged objects ``new`` reaches, found by comparing it with ``old`` (what the ref
+    held): only changed entries are followed, so the cost is the change's, not the tree's.
+    An object not in the stage is published already, and so is everything it reaches."""
+    stage = str(_stages.get(cdir, cdir / STAGE_DIR))
+    out: list[str] = []
+    todo: list[tuple[pygit2.Oid, pygit2.Oid | None]] = [(new, old)]
+    seen: set[pygit2.Oid] = set()
+    while todo:
+        oid, base = todo.pop()
+        hexid = str(oid)
+        if oid in seen or not os.path.exists(f"{stage}/{hexid[:2]}/{hexid[2:]}"):
+            continue
+        seen.add(oid)
+        out.append(hexid)
+        todo += _children(repo, repo[oid], base)
+    return out
+
+
+def _children(
+    repo: pygit2.Repository, obj: pygit2.Object, base: pygit2.Oid | None
+) -> list[tuple[pygit2.Oid, pygit2.Oid | None]]:
+    """What ``obj`` names, each with its counterpart under ``base`` (None: no counterpart)."""
+    before = repo.get(base) if base is not None else None
+    if isinstance(obj, pygit2.Commit):
+        prior = before.tree_id if isinstance(before, pygit2.Commit) else None
+        return [(obj.tree_id, prior), *((p, None) for p in obj.parent_ids)]
+    if isinstance(obj, pygit2.Tree):
+        old = {e.name: e.id for e in before} if isinstance(before, pygit2.Tree) else {}
+        return [
+            (e.id, old.get(e.name))
+            for e in obj
+            if e.filemode != pygit2.enums.FileMode.COMMIT and old.get(e.name) != e.id
+        ]
+    if isinstance(obj, pygit2.Tag):
+        return [(obj.target, None)]
+    return []
+
+
+def barrier(repo: pygit2.Repository, cdir: Path, new: pygit2.Oid, old: pygit2.Oid | None) -> None:
+    """Steps 1 and 2 of the protocol above: everything written so far durable, then every
+    staged object ``new`` reaches durable under its real name. The caller then moves its
+    ref (step 3)."""
+    objects = staged_closure(repo, cdir, new, old)
+    sync_filesystem(cdir)
+    if not objects:
+        return
+    stage = _stages.get(cdir, cdir / STAGE_DIR)
+    for hexid in objects:
+        fan, name = hexid[:2], hexid[2:]
+        target = cdir / "objects" / fan
+        try:
+            os.rename(stage / fan / name, target / name)
+        except FileNotFoundError:
+            if (stage / fan / name).exists():  # the fan-out directory is new
+                target.mkdir(exist_ok=True)
+                os.rename(stage / fan / name, target / name)
+            # else another writer published it at this moment: it is in objects/ now
+    sync_filesystem(cdir)
+
+
+__all__ = ["attach_stage", "barrier", "staged_closure", "sync_filesystem", "watch"]

@@ -1,0 +1,223 @@
+"""Durability at fewer syncs: every byte a ref names is on disk before the ref moves.
+
+Traced for real with ``strace``: which files a process wrote, which of them an ``fsync``,
+``fdatasync`` or ``syncfs`` made durable, and when a name (an object's, a ref's) appeared.
+A power cut can strike between any two system calls, so the order of those calls is
+what decides whether an acknowledged step survives one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import SANDBOXES, Gitrun, git
+
+STRACE = shutil.which("strace")
+needs_strace = pytest.mark.skipif(STRACE is None, reason="strace is not installed")
+CALLS = "openat,write,pwrite64,fsync,fdatasync,syncfs,link,rename,unlink,close"
+LINE = re.compile(r"^(\d+)\s+(\w+)\((.*)\)\s+=\s+(-?\d+)")
+OBJECT = re.compile(r"objects/[0-9a-f]{2}/[0-9a-f]{38}")
+QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def strace(argv: list[str], env: dict[str, str], log: Path, timeout: float = 120) -> int:
+    """Run ``argv`` under ``strace -f``, the calls that decide durability logged to ``log``."""
+    assert STRACE is not None
+    cmd = [STRACE, "-f", "-qq", "-s", "0", "-e", f"trace={CALLS}", "-o", str(log), *argv]
+    done = subprocess.run(
+        cmd, env=env, capture_output=True, timeout=timeout, check=False, cwd=log.parent
+    )
+    return done.returncode
+
+
+@dataclass
+class Disk:
+    """What a power cut at this point of the trace could lose, inside one git dir."""
+
+    gitdir: str
+    fds: dict[tuple[str, int], str] = field(default_factory=dict)
+    unsynced_data: set[str] = field(default_factory=set)
+    unsynced_names: set[str] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+    ref_moves: int = 0
+    syncs: int = 0
+
+    def final(self, path: str) -> bool:
+        """An object or ref under its real name (what a reader trusts)."""
+        rel = path.removeprefix(self.gitdir + "/")
+        if rel == path or rel.endswith(".lock"):
+            return False
+        return (
+            rel.startswith("refs/")
+            or re.fullmatch(r"objects/[0-9a-f]{2}/[0-9a-f]{38}", rel) is not None
+        )
+
+    def named(self, src: str, dst: str) -> None:
+        if self.final(dst) and src in self.unsynced_data:
+            self.problems.append(f"{dst} got its name before its bytes were durable")
+        if dst.startswith(self.gitdir + "/refs/") and self.final(dst):
+            self.ref_moves += 1
+            objects = [n for n in self.unsynced_names if self.final(n) and "/objects/" in n]
+            if objects:
+                self.problems.append(
+                    f"{dst} moved while {len(objects)} objects' names were not durable"
+                )
+        self.unsynced_data.discard(dst)
+        if src in self.unsynced_data:
+            self.unsynced_data.add(dst)
+        self.unsynced_names.add(dst)
+
+    def synced(self, path: str, call: str) -> None:
+        self.syncs += 1
+        if call == "syncfs":
+            self.unsynced_data.clear()
+            self.unsynced_names.clear()
+            return
+        self.unsynced_data.discard(path)
+        if call == "fsync":  # of a directory: the names in it are durable
+            self.unsynced_names = {n for n in self.unsynced_names if os.path.dirname(n) != path}
+
+    def feed(self, line: str) -> None:
+        m = LINE.match(line)
+        if m is None:
+            return
+        pid, call, args, ret = m.group(1), m.group(2), m.group(3), int(m.group(4))
+        paths = QUOTED.findall(args)
+        fd = args.split(",", 1)[0]
+        if call == "openat" and ret >= 0 and paths and paths[0].startswith("/"):
+            self.fds[(pid, ret)] = paths[0]
+            if "O_CREAT" in args:
+                self.unsynced_data.add(paths[0])
+                self.unsynced_names.add(paths[0])
+        elif call == "close" and fd.isdigit():
+            self.fds.pop((pid, int(fd)), None)
+        elif call in ("write", "pwrite64") and fd.isdigit() and (pid, int(fd)) in self.fds:
+            self.unsynced_data.add(self.fds[(pid, int(fd))])
+        elif call in ("fsync", "fdatasync", "syncfs") and ret == 0 and fd.isdigit():
+            self.synced(self.fds.get((pid, int(fd)), ""), call)
+        elif call in ("link", "rename") and ret == 0 and len(paths) == 2:
+            self.named(paths[0], paths[1])
+        elif call == "unlink" and ret == 0 and paths:
+            self.unsynced_names.discard(paths[0])
+            self.unsynced_data.discard(paths[0])
+
+    def unsynced_refs(self) -> list[str]:
+        return sorted(n for n in self.unsynced_names if self.final(n) and "/refs/" in n)
+
+
+def replay(log: Path, gitdir: Path) -> Disk:
+    disk = Disk(str(gitdir.resolve()))
+    for line in log.read_text().splitlines():
+        disk.feed(line)
+    return disk
+
+
+@needs_strace
+def test_a_whole_run_names_nothing_before_it_is_durable_and_ends_with_every_ref_synced(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    log = tmp_path / "trace"
+    code = strace(
+        gitrun.argv("run", str(SANDBOXES / "fix-median"), "--run-id", "r1", "-q"), gitrun.env(), log
+    )
+    assert code == 0
+    disk = replay(log, gitrun.repo("fix-median") / ".git")
+    assert disk.ref_moves >= 6  # checkpoints, the run branch, the receipt index: all seen
+    assert disk.problems == []
+    assert disk.unsynced_refs() == []
+
+
+STORE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import pygit2
+    from gitrun.store import gitstore
+    repo = gitstore.open_repo(sys.argv[1])
+    parent = repo.head.target
+    def mark(name):
+        try:
+            os.close(os.open("/nonexistent-durable-mark/" + name, os.O_RDONLY))
+        except OSError:
+            pass
+    mark("begin")
+    # Five new objects (a blob, three trees, a commit), then the one ref move naming them.
+    blob = repo.create_blob(b"deep " + os.urandom(8))
+    inner = repo.TreeBuilder(); inner.insert("f.txt", blob, pygit2.GIT_FILEMODE_BLOB)
+    mid = repo.TreeBuilder(); mid.insert("c", inner.write(), pygit2.GIT_FILEMODE_TREE)
+    top = repo.TreeBuilder(); top.insert("b", mid.write(), pygit2.GIT_FILEMODE_TREE)
+    sig = pygit2.Signature("t", "t@invalid", 1, 0)
+    commit = repo.create_commit(None, sig, sig, "deep\\n", top.write(), [parent])
+    gitstore.update_ref(repo, "refs/heads/main", parent, commit, message="test")
+    mark("end")
+    if sys.argv[2:] == ["hang"]:
+        repo.create_blob(b"staged, never named " + os.urandom(8))
+        print("staged", flush=True)
+        sys.stdin.read()
+    """
+)
+
+
+def _store_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "a.txt").write_text("a\n")
+    git(repo, "add", "a.txt")
+    git(repo, "commit", "-q", "-m", "base")
+    return repo
+
+
+@needs_strace
+def test_one_ref_move_makes_five_new_objects_durable_with_three_syncs_in_all(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    """libgit2's own fsync costs two per object and two per ref: 12 for this move."""
+    repo, log = _store_repo(tmp_path), tmp_path / "trace"
+    assert strace([sys.executable, "-c", STORE_SCRIPT, str(repo)], gitrun.env(), log) == 0
+    lines = log.read_text().splitlines()
+    begin = next(i for i, x in enumerate(lines) if "durable-mark/begin" in x)
+    end = next(i for i, x in enumerate(lines) if "durable-mark/end" in x)
+    disk = Disk(str((repo / ".git").resolve()))
+    for line in lines[begin:end]:
+        disk.feed(line)
+    assert disk.problems == []
+    assert disk.unsynced_refs() == []
+    assert disk.ref_moves == 1
+    assert disk.syncs <= 3
+    assert "deep\n" in git(repo, "log", "-1", "--format=%B", "main")
+    git(repo, "fsck", "--strict", "--no-dangling")
+
+
+def test_a_killed_writer_leaves_its_unnamed_objects_staged_never_under_their_names(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    repo = _store_repo(tmp_path)
+    with subprocess.Popen(
+        [sys.executable, "-c", STORE_SCRIPT, str(repo), "hang"],
+        env=gitrun.env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        try:
+            assert proc.stdout.readline() == "staged\n"
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+    stage = repo / ".git" / "gitrun" / "stage"
+    left = [p for p in stage.rglob("*") if p.is_file()]
+    assert len(left) == 1  # the blob no ref names; the published five moved out
+    oid = left[0].parent.name + left[0].name
+    assert not (repo / ".git" / "objects" / oid[:2] / oid[2:]).exists()
+    assert git(repo, "cat-file", "-t", "main^{tree}").strip() == "tree"
+    git(repo, "fsck", "--strict", "--no-dangling")  # the repository itself is whole
