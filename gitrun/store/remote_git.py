@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gitrun.core.errors import BadInput, RemoteUnavailable
+from gitrun.store.durable import STAGE_DIR
 
 ZERO = "0" * 40
 DEFAULT_TIMEOUT = 30.0  # seconds per git call; GITRUN_REMOTE_TIMEOUT overrides
@@ -119,7 +120,7 @@ class Remote:
         try:
             proc = subprocess.Popen(
                 [*cmd, *args],
-                env=git_env(),
+                env=self._env(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
@@ -136,6 +137,16 @@ class Remote:
             proc.communicate()
             raise self.unavailable(what, f"no answer within {exc.timeout:.0f}s") from exc
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def _env(self) -> dict[str, str]:
+        """git_env, plus gitrun's stage of unsynced objects as an alternate: a commit point
+        pushes objects no local ref names yet (they reach objects/ with the local ref move
+        that follows the push: gitrun.store.durable)."""
+        env = git_env()
+        stage = self.git_dir / STAGE_DIR
+        if stage.is_dir():
+            env["GIT_ALTERNATE_OBJECT_DIRECTORIES"] = str(stage)
+        return env
 
     def unavailable(self, what: str, detail: str) -> RemoteUnavailable:
         """The fail-closed error for a remote that could not do ``what``."""
