@@ -96,6 +96,7 @@ def build(root: Path, steps_list: list[int]) -> tuple[Workspace, dict[int, str]]
         )
         for _ in range(steps):
             c.runtime_step(run.runtime)
+        run.runtime.pause()  # a stopped run checkpoints its last receipt, as a session's end does
         if run.runtime.state.budgets.steps != steps or run.runtime.state.pending is not None:
             raise RuntimeError(f"run {run_id} did not stop cleanly after {steps} steps")
         run.lease.release()
