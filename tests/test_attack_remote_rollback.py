@@ -58,6 +58,9 @@ def test_an_agent_that_pushes_the_remote_checkpoint_back_is_refused_on_resume(
     assert resumed.err.startswith("gitrun: checkpoint rejected (rolled-back)"), resumed.err
     # Nothing was changed by the refusals: the remote still holds the rolled-back ref.
     assert hermetic_git(f"--git-dir={bare}", "rev-parse", found["ref"]).strip() == found["to"]
+    verified = gitrun.run(["checkpoint", "verify", "rb"], FAST)
+    assert verified.code == Exit.REFUSED, verified.err
+    assert "rolled-back" in verified.err
     # A human who restored the remote on purpose accepts it, naming its generation.
     gen = int(said.split("--generation ")[1].split()[0])
     accepted = gitrun.run(["checkpoint", "rewitness", "rb", "--generation", str(gen)], FAST)
