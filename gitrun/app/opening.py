@@ -121,9 +121,10 @@ def checkpoint_store(
 ) -> CheckpointStore:
     """The one way the product builds a checkpoint store: always with the workspace's
     freshness witness, since a signature alone proves no freshness; on a --remote run,
-    the remote's log, whose freshness is the remote every machine shares."""
+    the remote's log, whose freshness is the remote every machine shares, checked against
+    the witness of what this machine saw there (anyone who can push can move it back)."""
     if site is not None:
-        return RemoteCheckpointLog(site, keyring)
+        return RemoteCheckpointLog(site, keyring, Witness(ws.witness_dir, keyring))
     return CheckpointStore(repo, keyring, Witness(ws.witness_dir, keyring))
 
 

@@ -41,6 +41,7 @@ from gitrun.store.keys import load_keyring
 from gitrun.store.lease import Fence
 from gitrun.store.remote import RemoteCheckpointLog, RemoteSite
 from gitrun.store.remote_git import Update
+from gitrun.store.witness import Witness
 
 RECORD_FIELDS = ("agent", "agent_identity", "base_commit", "created_by", "scenario_parts")
 
@@ -107,7 +108,8 @@ def adopt(site: RemoteSite, run_id: str, task: Task, opts: Options) -> RunRecord
             "high-water-mark-missing" if not refs else "ambiguous",
             f"run {run_id} has {len(refs)} checkpoint refs on {site.url}; it cannot be taken over",
         )
-    store = RemoteCheckpointLog(site, load_keyring(ws.key_file, create=False))
+    keyring = load_keyring(ws.key_file, create=False)
+    store = RemoteCheckpointLog(site, keyring, Witness(ws.witness_dir, keyring))
     base = str(doc["base_commit"])
     store.load(refs[0], scenario_parts=base_parts(task, site.repo, base))
     worktree = ws.worktree_path(run_id)

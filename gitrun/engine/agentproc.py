@@ -10,7 +10,8 @@ requests to nobody. An agent that exits leaves the run resumable.
 Under the run's isolation setting (as the verifier's) the agent runs in bubblewrap: the
 root file system read-only, the workspace (keyring, witness, registry, every run's
 worktree), the keyring file and the repository's common git dir hidden, a private pid
-namespace, no capabilities. It acts only through the protocol, so it needs no view of
+namespace, no capabilities; the user's ssh-agent socket (``$SSH_AUTH_SOCK``: push rights to
+a ``--remote``) hidden and unset. It acts only through the protocol, so it needs no view of
 its worktree. Unlike the tests it keeps the host network (model APIs;
 ``GITRUN_AGENT_NETWORK=none`` cuts it to loopback) and the host's ``/tmp``, read-only, and
 gets a private writable ``HOME``.
@@ -49,6 +50,15 @@ def network_setting() -> str:
     if value not in NETWORKS:
         raise BadInput(f"{NETWORK_ENV} must be one of {', '.join(NETWORKS)}, not {value!r}")
     return value
+
+
+CREDENTIAL_SOCKETS = ("SSH_AUTH_SOCK",)  # the user's key agent: a confined agent never sees it
+
+
+def credential_sockets() -> list[Path]:
+    """The user's credential agent sockets named in our environment (they exist)."""
+    found = [Path(os.environ[name]) for name in CREDENTIAL_SOCKETS if os.environ.get(name)]
+    return [p for p in found if p.is_absolute() and p.exists()]
 
 
 def agent_env() -> dict[str, str]:
@@ -109,11 +119,13 @@ def spawn(command: str, rt: Runtime) -> Iterator[Supervised]:
         cwd = Path.cwd().resolve()  # kept, unless hidden (a key file beside it is blanked)
         if any(cwd.is_relative_to(d.resolve()) for d in dirs):
             cwd = home
-        layout = Layout.of([home], dirs, hide.files, cwd, blank, private_tmp=False)
+        files = (*hide.files, *credential_sockets())  # e.g. ssh-agent: push rights to a remote
+        layout = Layout.of([home], dirs, files, cwd, blank, private_tmp=False)
         if confinement.bwrap is None:
             raise GitrunError("a bwrap confinement needs the bwrap path")
-        named = {str(f) for f in hide.files} | {str(f.resolve()) for f in hide.files}
+        named = {str(f) for f in files} | {str(f.resolve()) for f in files}
         env = {k: v for k, v in agent_env().items() if not any(n in v for n in named)}
+        env = {k: v for k, v in env.items() if k not in CREDENTIAL_SOCKETS}
         env |= {"HOME": str(home), "TMPDIR": str(home / "tmp")}
         wrap = [confinement.bwrap, *layout.bwrap_args(confinement), "--"]
         yield supervise(

@@ -37,7 +37,7 @@ import pygit2
 
 from gitrun.core.codec import canonical_bytes, encode
 from gitrun.core.contracts import Appended
-from gitrun.core.errors import CasFailed, GitrunError, RemoteUnavailable
+from gitrun.core.errors import CasFailed, CheckpointRejected, GitrunError, RemoteUnavailable
 from gitrun.core.records import Receipt, RunState
 from gitrun.store import gitstore
 from gitrun.store.checkpoint import CheckpointStore, Stored, run_of_ref
@@ -45,6 +45,7 @@ from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, fence_guard, read_lease
 from gitrun.store.receipts import GitReceiptLog, branch_ref, index_ref
 from gitrun.store.remote_git import Rejected, Remote, Update
+from gitrun.store.witness import Mark, Witness
 
 T = TypeVar("T")
 MAX_PUSHES = 4  # re-planned pushes before a remote that keeps refusing is called unavailable
@@ -172,13 +173,17 @@ class RemoteCheckpointLog(CheckpointStore):
 
     A :class:`CheckpointStore` (the runtime drives either) whose reads fetch first and
     whose commit point is a push. Freshness comes from the remote, the authority every
-    machine shares, not from a per-machine witness, which could not see another
-    machine's advances.
+    machine shares; but anyone with push rights there (an agent with the network and the
+    user's credentials) can force the ref back to an older signed checkpoint. So
+    ``seen``, this machine's witness, keeps the newest checkpoint this machine wrote or
+    read: a remote ref that is not it or a descendant of it is refused (``rolled-back``).
+    Unlike the local witness it admits any number of generations ahead (another machine's).
     """
 
-    def __init__(self, site: RemoteSite, keyring: Keyring) -> None:
+    def __init__(self, site: RemoteSite, keyring: Keyring, seen: Witness | None = None) -> None:
         super().__init__(site.repo, keyring, witness=None)
         self.site = site
+        self.seen = seen
 
     def head(self, ref: str) -> pygit2.Oid | None:
         self.site.sync(run_of_ref(ref))
@@ -203,17 +208,77 @@ class RemoteCheckpointLog(CheckpointStore):
                 raise CasFailed(ref, _hex(expected), _hex(actual), what)
             return [*updates, Update(ref, str(oid), _hex(expected))], oid
 
-        return self.site.transact(run_id, plan, f"pushing {what} of run {run_id}")
+        pushed = self.site.transact(run_id, plan, f"pushing {what} of run {run_id}")
+        self._see(Mark(run_id, ref, state.generation, str(pushed)))
+        return pushed
 
     def load(
         self, ref: str, *, scenario_parts: dict[str, str] | None, offered: pygit2.Oid | None = None
     ) -> Stored:
         self.site.sync(run_of_ref(ref))
-        return super().load(ref, scenario_parts=scenario_parts, offered=offered)
+        stored = super().load(ref, scenario_parts=scenario_parts, offered=offered)
+        self._see(Mark(stored.state.run_id, ref, stored.state.generation, str(stored.oid)))
+        return stored
 
     def chain(self, ref: str, limit: int | None = None) -> list[Stored]:
         self.site.sync(run_of_ref(ref))
         return super().chain(ref, limit)
+
+    def rewitness(self, ref: str, generation: int) -> Stored:
+        """A human's recovery: accept the remote's checkpoint as the newest this machine saw
+        (a remote restored from a backup on purpose); ``generation`` must be its own."""
+        from gitrun.core.errors import BadInput
+
+        run_id = run_of_ref(ref)
+        self.site.sync(run_id)
+        head = gitstore.read_ref(self.repo, ref)
+        if head is None or self.seen is None:
+            raise CheckpointRejected("high-water-mark-missing", f"{ref} does not exist")
+        stored = self.read(ref, head)
+        if stored.state.generation != generation:
+            raise BadInput(
+                f"{ref} is at generation {stored.state.generation}, not {generation}; "
+                "pass the generation you accept as the newest"
+            )
+        with self.seen.locked(run_id):
+            self.seen.reset(Mark(run_id, ref, generation, str(head)), None)
+        return stored
+
+    def _see(self, here: Mark) -> None:
+        """Refuse ``here`` unless it is, or descends from, the newest checkpoint this machine
+        saw of the run; then remember it (the remote's ref is never rolled back unnoticed)."""
+        if self.seen is None:
+            return
+        with self.seen.locked(here.run_id):
+            reading = self.seen.read(here.run_id)
+            if reading is not None and reading.mark is None:
+                path = self.seen.path(here.run_id)
+                raise CheckpointRejected("witness-corrupt", f"the witness {path} holds no record")
+            mark = reading.mark if reading is not None else None
+            if mark is not None and mark.ref == here.ref and mark.commit == here.commit:
+                return
+            if mark is not None and mark.ref == here.ref and not self._descends(here, mark):
+                raise CheckpointRejected(
+                    "rolled-back",
+                    f"the remote's {here.ref} is at generation {here.generation} "
+                    f"({here.commit[:12]}), which does not descend from generation "
+                    f"{mark.generation} ({mark.commit}) that this machine saw there: someone "
+                    f"with push rights on {self.site.url} moved it back; restore it with `git "
+                    f"push --force {self.site.url} {mark.commit}:{here.ref}`, or accept it "
+                    f"with: gitrun checkpoint rewitness {here.run_id} --generation "
+                    f"{here.generation}",
+                )
+            step = mark is not None and mark.generation + 1 == here.generation
+            if step and reading is not None and not reading.torn:
+                self.seen.write(here)  # the usual advance: one slot, as the local witness
+            else:
+                self.seen.reset(here, None)
+
+    def _descends(self, here: Mark, mark: Mark) -> bool:
+        try:
+            return bool(self.repo.descendant_of(here.commit, mark.commit))
+        except (KeyError, ValueError, pygit2.GitError):
+            return False  # the commit this machine saw is gone from its cache: fail closed
 
 
 class RemoteReceiptLog(GitReceiptLog):
