@@ -268,16 +268,24 @@ class LeaseManager:
         taking_over = (
             current.expires_at <= now
             or (takeover_after is not None and now - current.renewed_at >= takeover_after)
-            or not owner_alive(self.repo, self.run_id, current.owner_worker)
+            or self._owner_dead(current.owner_worker)
         )
         if not taking_over:
             raise LeaseHeld(
                 current.owner_worker,
                 current.expires_at,
                 f"another worker owns run {self.run_id}: {current.owner_worker} until "
-                f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left); "
-                "retry later or pass --takeover-after",
+                f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left"
+                f"{self._where()}); retry later or pass --takeover-after",
             )
+
+    def _owner_dead(self, worker: str) -> bool:
+        """True when ``worker``'s process is known gone (its OS lock on this repository is free)."""
+        return not owner_alive(self.repo, self.run_id, worker)
+
+    def _where(self) -> str:
+        """Where the lease lives, for a refusal's message (nothing: this repository)."""
+        return ""
 
     def renew(self, state_version: int | None = None) -> Lease:
         """Extend our lease by compare-and-swap; LeaseLost if it is no longer ours."""

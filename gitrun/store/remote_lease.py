@@ -79,23 +79,11 @@ class RemoteLeaseStore(LeaseManager):
             raise
         return current, oid
 
-    def _refuse_unless_takeable(self, current: Lease | None, takeover_after: float | None) -> None:
-        now = time.time()
-        if current is None or current.owner_worker == self.worker:
-            return
-        if (
-            current.expires_at <= now
-            or (takeover_after is not None and now - current.renewed_at >= takeover_after)
-            or self._known_dead(current.owner_worker)
-        ):
-            return
-        raise LeaseHeld(
-            current.owner_worker,
-            current.expires_at,
-            f"another worker owns run {self.run_id}: {current.owner_worker} until "
-            f"{_until(current.expires_at)} ({current.expires_at - now:.0f}s left, lease on "
-            f"{self.site.url}); retry later or pass --takeover-after",
-        )
+    def _owner_dead(self, worker: str) -> bool:
+        return self._known_dead(worker)
+
+    def _where(self) -> str:
+        return f", lease on {self.site.url}"
 
     def acquire(self, state_version: int, takeover_after: float | None = None) -> Lease:
         """Take the lease (see the LeaseStore contract) by one leased push."""
