@@ -26,20 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from swebench_data import BUNDLE, make_repos  # noqa: E402
+from swebench_data import BUNDLE, copied_dataset, make_repos  # noqa: E402
 
 LEASE = "10"  # seconds of a claim; no worker dies here, so it is never waited out
-
-
-def _dataset(tmp: Path, copies: int) -> Path:
-    out = []
-    for line in (BUNDLE / "instances.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        for n in range(copies):
-            out.append(json.dumps(rec | {"instance_id": f"{rec['instance_id']}-c{n}"}))
-    path = tmp / "instances.jsonl"
-    path.write_text("\n".join(out) + "\n")
-    return path
 
 
 def _machine(root: Path, wait: float) -> Path:
@@ -123,8 +112,8 @@ def main() -> None:
         key = tmp / "shared.keyring"
         load_keyring(key)  # the batch's key, copied to every machine
         (tmp / "warm").mkdir()
-        _batch(tmp, "warm", _dataset(tmp / "warm", 1), key, env, 1, None)  # build the venvs
-        dataset = _dataset(tmp, copies)
+        _batch(tmp, "warm", copied_dataset(tmp / "warm", 1), key, env, 1, None)  # build the venvs
+        dataset = copied_dataset(tmp, copies)
         rows = {}
         for wait in (0.0, args.wait):
             rows[wait] = [_batch(tmp, f"l{wait:g}", dataset, key, env, 1, None, wait)]

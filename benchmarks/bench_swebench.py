@@ -23,18 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from swebench_data import BUNDLE, TEST_CMD, make_repos  # noqa: E402
-
-
-def _dataset(tmp: Path, copies: int) -> Path:
-    out = []
-    for line in (BUNDLE / "instances.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        for n in range(copies):
-            out.append(json.dumps(rec | {"instance_id": f"{rec['instance_id']}-c{n}"}))
-    path = tmp / "instances.jsonl"
-    path.write_text("\n".join(out) + "\n")
-    return path
+from swebench_data import BUNDLE, TEST_CMD, copied_dataset, make_repos  # noqa: E402
 
 
 def _gitrun(tmp: Path, dataset: Path, run_id: str, workers: int, env: dict[str, str]) -> float:
@@ -83,10 +72,10 @@ def main() -> None:
     try:
         make_repos(tmp / "repos")
         shutil.copy(BUNDLE / "specs.json", tmp / "repos" / "gitrun-swebench.json")
-        dataset = _dataset(tmp, copies)
+        dataset = copied_dataset(tmp, copies)
         count = 2 * copies
         (tmp / "warm").mkdir()
-        _gitrun(tmp, _dataset(tmp / "warm", 1), "warm", 1, env)  # build the venvs
+        _gitrun(tmp, copied_dataset(tmp / "warm", 1), "warm", 1, env)  # build the venvs
         bins: dict[str, str] = {}
         for marker in envs.glob("*/gitrun-env.json"):
             spec = json.loads(marker.read_text())

@@ -150,3 +150,15 @@ if __name__ == "__main__":
         BUNDLE.mkdir(parents=True, exist_ok=True)
         for fname, text in bundle(Path(tmp)).items():
             (BUNDLE / fname).write_text(text)
+
+
+def copied_dataset(tmp: Path, copies: int) -> Path:
+    """The bundled instances, each ``copies`` times under its own id (for the benchmarks)."""
+    out = []
+    for line in (BUNDLE / "instances.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        for n in range(copies):
+            out.append(json.dumps(rec | {"instance_id": f"{rec['instance_id']}-c{n}"}))
+    path = tmp / "instances.jsonl"
+    path.write_text("\n".join(out) + "\n")
+    return path
