@@ -4,6 +4,9 @@ a session's writes and exec steps commit through a bare repository served by a r
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,42 +129,70 @@ def test_a_session_with_another_remote_than_the_run_s_own_is_refused(machines: M
     assert "local run" in refused.stderr()
 
 
-def test_gitrun_mcp_with_remote_commits_through_the_remote(machines: Machines) -> None:
+def _server_pid(run_id: str) -> int:
+    """The `gitrun mcp ... --run-id RUN_ID` process (the MCP client's child)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if b"mcp" in argv and run_id.encode() in argv and b"gitrun" in argv:
+            return int(entry.name)
+    raise AssertionError(f"no gitrun mcp process for {run_id}")
+
+
+def test_gitrun_mcp_killed_on_machine_a_is_continued_on_machine_b(machines: Machines) -> None:
     pytest.importorskip("mcp")
     import anyio
+    import mcp_types as types
     from mcp.client.session import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
-    cli = machines.cli("a")
-    server = StdioServerParameters(
-        command=sys.executable,
-        args=[
-            "-m",
-            "gitrun",
-            "mcp",
-            TASK,
-            "--run-id",
-            "m1",
-            "--remote",
-            machines.url,
-            *machines.args("a"),
-        ],
-        env=cli.env(**FAST),
-        cwd=str(machines.tmp),
-    )
-    tips: list[str] = []
+    def server(machine: str, *extra: str) -> StdioServerParameters:
+        args = ["mcp", TASK, "--run-id", "m1", "--remote", machines.url, *extra]
+        return StdioServerParameters(
+            command=sys.executable, args=["-m", "gitrun", *args, *machines.args(machine)],
+            env=machines.cli(machine).env(**FAST), cwd=str(machines.tmp),
+        )  # fmt: skip
 
-    async def go() -> None:
+    async def call(s: ClientSession, name: str, **arguments: object) -> dict[str, object]:
+        result = await s.call_tool(name, arguments)
+        block = result.content[0]
+        assert not result.is_error, result
+        assert isinstance(block, types.TextContent)
+        out: dict[str, object] = json.loads(block.text)
+        return out
+
+    written: list[dict[str, object]] = []
+    note = {"path": "stats/n.py", "content": "A = 1\n", "idempotency_key": "mcp-key-1"}
+
+    async def on_a() -> None:
+        async with (
+            stdio_client(server("a", "--lease-seconds", "600")) as (r, w),
+            ClientSession(r, w) as s,
+        ):
+            await s.initialize()
+            written.append(await call(s, "write_file", **note))
+            assert machines.remote_git("rev-parse", "gitrun/m1") == written[0]["commit"]
+            os.kill(_server_pid("m1"), signal.SIGKILL)  # mid-session, its lease held
+            with anyio.fail_after(10):
+                await s.call_tool("observe", {})
+
+    async def on_b() -> None:
         with anyio.fail_after(90):
             async with (
-                stdio_client(server) as (read, write),
-                ClientSession(read, write) as s,
+                stdio_client(server("b", "--takeover-after", "0")) as (r, w),
+                ClientSession(r, w) as s,
             ):
                 await s.initialize()
-                await s.call_tool("apply_patch", {"patch": FIX, "idempotency_key": "mcp-key-1"})
-                tips.append(machines.remote_git("rev-parse", "gitrun/m1"))
-                await s.call_tool("finish", {})
+                again = await call(s, "write_file", **note)
+                assert (again["replayed"], again["commit"]) == (True, written[0]["commit"])
+                await call(s, "apply_patch", patch=FIX, idempotency_key="mcp-key-2")
+                assert (await call(s, "finish"))["phase"] == "done"
 
-    anyio.run(go)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the SDK raises for a dead server
+        anyio.run(on_a)
     assert machines.keys("m1") == ["mcp-key-1"]
-    assert tips == [machines.cache_tip("a", "m1")]
+    anyio.run(on_b)
+    assert machines.keys("m1") == ["mcp-key-1", "mcp-key-2"]  # each key landed once
+    assert machines.cache_tip("b", "m1") == machines.remote_git("rev-parse", "gitrun/m1")
