@@ -19,11 +19,11 @@ import typer
 from typer._click.exceptions import ClickException  # typer vendors click; not re-exported
 
 from gitrun.app import service, swebench
+from gitrun.app.opening import cli_options
 from gitrun.app.reports import approval_text, review_text, ttl_seconds
 from gitrun.app.workspace import Workspace
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
-from gitrun.core.isolation import check_setting
 from gitrun.core.records import DONE, RunState
 from gitrun.entry import status_text
 
@@ -100,27 +100,13 @@ def _say(line: str) -> None:
     typer.echo(f"[{time.strftime('%H:%M:%S')}] {line}", err=True)
 
 
-def _options(
-    workspace: Path | None,
-    key_file: Path | None,
-    worker: str | None = None,
-    lease_seconds: float = 30.0,
-    takeover_after: float | None = None,
-    quiet: bool = False,
-    trust_roots: Path | None = None,
-    isolation: str | None = None,
-) -> service.Options:
-    opts = service.Options(
-        Workspace(workspace, key_file),
-        lease_seconds=lease_seconds,
-        takeover_after=takeover_after,
-        say=(lambda _: None) if quiet else _say,
-        trust_roots=trust_roots,
-        isolation=None if isolation is None else check_setting(isolation),
-    )
-    if worker:
-        opts.worker = worker
-    return opts
+def _options(workspace: Path | None, key_file: Path | None, worker: str | None = None,
+             lease_seconds: float = 30.0, takeover_after: float | None = None,
+             quiet: bool = False, trust_roots: Path | None = None, isolation: str | None = None,
+             remote: str | None = None) -> service.Options:  # fmt: skip
+    say = None if quiet else _say
+    return cli_options(workspace, key_file, worker, lease_seconds, takeover_after, say,
+                       trust_roots, isolation, remote)  # fmt: skip
 
 
 def _finish(state: RunState) -> None:
@@ -156,10 +142,8 @@ def run(
     remote: RemoteOpt = None,
 ) -> None:
     """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
-    opts = _options(
-        workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots, isolation
-    )
-    opts.remote = remote
+    opts = _options(workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots,
+                    isolation, remote)  # fmt: skip
     _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=agent, run_id=run_id))
 
 
@@ -180,11 +164,8 @@ def resume(
     remote: RemoteOpt = None,
 ) -> None:
     """Continue a run that stopped anywhere: verify, reconcile, carry on exactly once."""
-    opts = _options(
-        workspace, key_file, worker_id, lease_seconds, takeover_after, quiet, trust_roots,
-        isolation,
-    )  # fmt: skip
-    opts.remote = remote
+    opts = _options(workspace, key_file, worker_id, lease_seconds, takeover_after, quiet,
+                    trust_roots, isolation, remote)  # fmt: skip
     _finish(service.resume(run_id, opts, task))
 
 
@@ -206,15 +187,14 @@ def session(
     takeover_after: TakeoverOpt = None,
     trust_roots: TrustOpt = None,
     isolation: IsolationOpt = None,
+    remote: RemoteOpt = None,
 ) -> None:
     """Serve a run as JSON-RPC 2.0 lines on stdin/stdout: the caller is its agent."""
     spec = "mcp" if ctx.info_name == "mcp" else "session"
     if spec == "mcp" and importlib.util.find_spec("mcp") is None:
         raise BadInput("the MCP server needs the mcp extra: pip install 'gitrun[mcp]'")
-    opts = _options(
-        workspace, key_file, worker_id, lease_seconds, takeover_after, False, trust_roots,
-        isolation,
-    )  # fmt: skip
+    opts = _options(workspace, key_file, worker_id, lease_seconds, takeover_after, False,
+                    trust_roots, isolation, remote)  # fmt: skip
     _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=spec, run_id=run_id))
 
 

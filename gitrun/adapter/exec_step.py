@@ -40,6 +40,7 @@ from gitrun.core.errors import EnvironmentDrift, GateRejected, GitrunError, Rece
 from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
 from gitrun.store import gitstore, trees
 from gitrun.store.lease import Fence, fence_guard
+from gitrun.store.receipts import output_ref
 
 if TYPE_CHECKING:
     from gitrun.engine.runtime import Runtime
@@ -91,10 +92,6 @@ def open_interrupted_review(rt: Runtime, discarded: list[str]) -> None:
         )
     )
     rt.say(f"review needed for {p.key}: {reason}; run frozen")
-
-
-def output_ref(run_id: str, key: str) -> str:
-    return f"refs/gitrun/runs/{run_id}/outputs/{key}"
 
 
 def output_digest(stdout: bytes, stderr: bytes) -> str:
@@ -279,7 +276,10 @@ def put_back(env: Environment, tree: pygit2.Tree, fence: Fence) -> list[str]:
 
 
 def _keep_output(env: Environment, key: str, output: pygit2.Oid, fence: Fence) -> None:
-    """Point ``outputs/<key>`` at the output tree, fenced: reachable before the commit point."""
+    """Point ``outputs/<key>`` at the output tree, fenced: reachable before the commit point.
+    A --remote run's ref moves on the remote in the write's own push (the commit point)."""
+    if env.site is not None:
+        return
     ref = output_ref(env.run_id, key)
     current = gitstore.read_ref(env.repo, ref)
     if current == output:

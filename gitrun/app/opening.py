@@ -36,6 +36,7 @@ __all__ = [
     "Options",
     "base_parts",
     "checkpoint_store",
+    "cli_options",
     "keyring_store",
     "lease_store",
     "load_verified",
@@ -82,6 +83,34 @@ class Options:
         from gitrun.engine.verifier import Secrets
 
         return Secrets((self.workspace.root,), (self.workspace.key_file,))
+
+
+def cli_options(
+    workspace: Path | None,
+    key_file: Path | None,
+    worker: str | None = None,
+    lease_seconds: float = DEFAULT_DURATION,
+    takeover_after: float | None = None,
+    say: Callable[[str], None] | None = None,
+    trust_roots: Path | None = None,
+    isolation: str | None = None,
+    remote: str | None = None,
+) -> Options:
+    """The options of a CLI command from its flags (None: the default of each)."""
+    from gitrun.core.isolation import check_setting
+
+    opts = Options(
+        Workspace(workspace, key_file),
+        lease_seconds=lease_seconds,
+        takeover_after=takeover_after,
+        say=say or _quiet,
+        trust_roots=trust_roots,
+        isolation=None if isolation is None else check_setting(isolation),
+        remote=remote,
+    )
+    if worker:
+        opts.worker = worker
+    return opts
 
 
 @dataclass

@@ -31,6 +31,11 @@ def index_ref(run_id: str, key: str) -> str:
     return f"refs/gitrun/runs/{run_id}/receipts/{key}"
 
 
+def output_ref(run_id: str, key: str) -> str:
+    """The ref that keeps an exec step's output tree reachable (``git gc``, a fetch)."""
+    return f"refs/gitrun/runs/{run_id}/outputs/{key}"
+
+
 class GitReceiptLog:
     """Lookup, append (the write's commit point), and index upkeep for one run's receipts."""
 
@@ -234,4 +239,4 @@ def _exec_trailers(
     return (None if code == "timeout" else int(code)), output
 
 
-__all__ = ["GitReceiptLog", "branch_ref", "index_ref"]
+__all__ = ["GitReceiptLog", "branch_ref", "index_ref", "output_ref"]

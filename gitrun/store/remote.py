@@ -43,7 +43,7 @@ from gitrun.store import gitstore
 from gitrun.store.checkpoint import CheckpointStore, Stored, run_of_ref
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, fence_guard, read_lease
-from gitrun.store.receipts import GitReceiptLog, branch_ref, index_ref
+from gitrun.store.receipts import GitReceiptLog, branch_ref, index_ref, output_ref
 from gitrun.store.remote_git import Rejected, Remote, Update
 from gitrun.store.witness import Mark, Witness
 
@@ -347,8 +347,9 @@ class RemoteReceiptLog(GitReceiptLog):
         *,
         guards: Sequence[gitstore.Guard] = (),
     ) -> Appended:
-        """Push the branch from ``expected`` to ``write`` with its index entry and the
-        lease move, in one atomic push (see :class:`gitrun.core.contracts.ReceiptStore`)."""
+        """Push the branch from ``expected`` to ``write`` with its index entry, an exec's
+        output ref and the lease move, in one atomic push (see
+        :class:`gitrun.core.contracts.ReceiptStore`)."""
 
         def plan() -> tuple[list[Update], Appended]:
             receipt, new = self._receipt_to_append(write, expected, fence)
@@ -365,6 +366,10 @@ class RemoteReceiptLog(GitReceiptLog):
                 Update(self.branch, str(write), expected),
                 Update(index_ref(self.run_id, receipt.key), str(write), None),
             ]
+            if receipt.output is not None:  # an exec's output tree: reachable on the remote
+                ref = output_ref(self.run_id, receipt.key)
+                there = _hex(gitstore.read_ref(self.site.repo, ref))
+                updates.append(Update(ref, receipt.output, there))
             return updates, Appended(receipt, replayed=False)
 
         return self.site.transact(self.run_id, plan, f"pushing a write of run {self.run_id}")
