@@ -15,7 +15,12 @@ from conftest import SANDBOXES, Gitrun
 from helpers import Keys, Result
 from remote_helpers import Daemon, hermetic_git
 
+from gitrun.app import service
+from gitrun.app.workspace import Workspace
 from gitrun.core.errors import Exit
+from gitrun.engine.approvals import approval_claims, submit
+from gitrun.store import gitstore
+from gitrun.store.evidence import APPROVAL_DOMAIN, sign
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -137,3 +142,24 @@ def test_a_consumed_approval_left_on_the_remote_is_refused_as_a_replayed_nonce(
     assert "evidence refused (nonce-reused)" in replayed.err.strip().splitlines()[-1]
     assert m.on_remote(f"refs/heads/gitrun/{RUN}") == tip
     assert m.delete_commits() == []
+
+
+def test_evidence_only_in_this_machines_own_inbox_survives_syncs_and_is_taken_in(
+    machines: Machines,
+) -> None:
+    m = machines
+    opened = service.open_run(RUN, service.Options(Workspace(m.tmp / "a", m.key)))
+    _, stored = service.load_verified(opened)
+    claims = approval_claims(stored.state, "left here", 3600)
+    signed = sign(claims, m.keys["alice"], "approver", APPROVAL_DOMAIN)
+    submit(opened.repo, RUN, "approval", signed)  # this machine's inbox only, never pushed
+    local = gitstore.read_ref(opened.repo, INBOX)
+    assert local is not None
+    assert m.on_remote(INBOX) is None
+
+    m.status("a")  # a sync of the run's refs neither fetches over nor prunes it
+    assert gitstore.read_ref(opened.repo, INBOX) == local
+    done = m.resume("a")
+    assert done.code == Exit.DONE, done.err
+    assert m.delete_commits() == [signed.fingerprint()]
+    assert gitstore.read_ref(gitstore.open_repo(opened.record.repo), INBOX) is None
