@@ -16,8 +16,10 @@ from helpers import Keys, Result
 from remote_helpers import Daemon, hermetic_git
 
 from gitrun.app import service
+from gitrun.app.opening import lease_store
 from gitrun.app.workspace import Workspace
 from gitrun.core.errors import Exit
+from gitrun.core.records import Action
 from gitrun.engine.approvals import approval_claims, submit
 from gitrun.store import gitstore
 from gitrun.store.evidence import APPROVAL_DOMAIN, sign
@@ -163,3 +165,47 @@ def test_evidence_only_in_this_machines_own_inbox_survives_syncs_and_is_taken_in
     assert done.code == Exit.DONE, done.err
     assert m.delete_commits() == [signed.fingerprint()]
     assert gitstore.read_ref(gitstore.open_repo(opened.record.repo), INBOX) is None
+
+
+CONFLICT = Action(
+    "write_file",
+    path="stats/notes.txt",
+    content="not the fix\n",
+    description="another intent under the same key",
+)
+
+
+def test_a_review_decision_made_on_another_machine_is_applied_by_the_resuming_one(
+    tmp_path: Path, git_daemon: Daemon, keys: Keys
+) -> None:
+    m = Machines(tmp_path, git_daemon, keys)
+    fix = SANDBOXES / "fix-median"
+    run = ["run", str(fix), "--run-id", RUN, "--remote", m.url]
+    killed = m.cli("a", *run, GITRUN_CRASH_AT="after_intent_checkpoint")
+    assert killed.code == -9, killed.err
+    # Another writer on machine a commits a different intent under the pending key.
+    opts = service.Options(Workspace(m.tmp / "a", m.key), worker="intruder")
+    opened = service.open_run(RUN, opts)
+    _, stored = service.load_verified(opened)
+    p = stored.state.pending
+    assert p is not None
+    lease = lease_store(opened.repo, RUN, opts, opened.site)
+    lease.acquire(stored.state.generation)  # the owner died on this clone: taken at once
+    try:
+        env = opened.env
+        env.execute(CONFLICT, p.key, CONFLICT.intent_digest(), p.precondition, lease.fence)
+    finally:
+        lease.release()
+    frozen = m.cli("a", "resume", RUN, "--trust-roots", str(keys.roots))
+    assert frozen.code == Exit.FROZEN, frozen.err
+    adopt = ["--remote", m.url, "--task", str(fix), "--trust-roots", str(keys.roots)]
+    assert m.cli("b", "resume", RUN, *adopt).code == Exit.FROZEN
+    decided = m.cli("b", "review", "decide", RUN, "abort", "--key", str(keys["bob"]))
+    assert decided.code == 0, decided.err
+    review = f"refs/gitrun/runs/{RUN}/inbox/review"
+    assert m.on_remote(review) is not None
+
+    aborted = m.cli("c", "resume", RUN, *adopt)
+    assert aborted.code == Exit.FAILED, aborted.err
+    assert aborted.out.strip().splitlines()[-1] == f"run {RUN}: failed (aborted_by_reviewer)"
+    assert m.on_remote(review) is None
