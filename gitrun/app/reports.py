@@ -103,7 +103,7 @@ def approve(
     signed = sign_evidence(claims, key_file, "approver", APPROVAL_DOMAIN)
     if opts.trust_roots is not None:
         verify_evidence(signed, load_trust_roots(opts.trust_roots), "approver", APPROVAL_DOMAIN)
-    submit(opened.repo, run_id, "approval", signed)
+    submit(opened.repo, run_id, "approval", signed, opened.site)
     base = opened.repo.get(state.pending.precondition.head)
     tree = base.tree if isinstance(base, pygit2.Commit) else opened.env.head().tree
     return state, signed, action_diff(opened.repo, state.pending.action, tree)
@@ -145,7 +145,7 @@ def review_decide(run_id: str, opts: Options, key_file: Path, decision: str) -> 
     signed = sign_evidence(
         review_claims(stored.state, decision), key_file, "reviewer", REVIEW_DOMAIN
     )
-    submit(opened.repo, run_id, "review", signed)
+    submit(opened.repo, run_id, "review", signed, opened.site)
     return signed
 
 

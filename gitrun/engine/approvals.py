@@ -4,7 +4,9 @@ runtime does with it.
 Humans sign evidence with ``gitrun approve`` / ``gitrun review decide``; it waits in an
 inbox ref (``refs/gitrun/runs/<run>/inbox/<kind>``) until the lease holder takes it in,
 checks it against the trust roots and the checkpointed run, and records it with one
-checkpoint advance. Only the runtime writes checkpoints.
+checkpoint advance. Only the runtime writes checkpoints. A ``--remote`` run's inbox is
+the remote's (``site``): evidence is pushed there, fetched by whichever machine resumes,
+and deleted there once consumed; this machine's own inbox refs are its fallback.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from gitrun.store.evidence import APPROVAL_DOMAIN, REVIEW_DOMAIN, Signed, TrustR
 
 if TYPE_CHECKING:
     from gitrun.engine.runtime import Runtime
+    from gitrun.store.remote import RemoteSite
 
 CLOCK_SKEW = 120.0
 
@@ -34,17 +37,37 @@ def inbox_ref(run_id: str, kind: str) -> str:
     return f"refs/gitrun/runs/{run_id}/inbox/{kind}"
 
 
-def submit(repo: pygit2.Repository, run_id: str, kind: str, evidence: Signed) -> None:
+def submit(
+    repo: pygit2.Repository,
+    run_id: str,
+    kind: str,
+    evidence: Signed,
+    site: RemoteSite | None = None,
+) -> None:
     """Leave signed evidence for the runtime (replaces any earlier, unconsumed one)."""
     ref = inbox_ref(run_id, kind)
     oid = gitstore.write_blob(repo, canonical_bytes(encode(evidence)))
+    if site is not None:
+        site.put_evidence(run_id, kind, oid)
+        return
     gitstore.update_ref(
         repo, ref, gitstore.read_ref(repo, ref), oid, message=f"gitrun {kind} evidence"
     )
 
 
-def read_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> Signed | None:
-    oid = gitstore.read_ref(repo, inbox_ref(run_id, kind))
+def read_inbox(
+    repo: pygit2.Repository, run_id: str, kind: str, site: RemoteSite | None = None
+) -> Signed | None:
+    """The evidence waiting: the remote's (fetched now) for a remote run, else this
+    machine's own inbox ref."""
+    oid = None
+    if site is not None:
+        from gitrun.store.remote import inbox_mirror
+
+        site.fetch_inbox(run_id)
+        oid = gitstore.read_ref(repo, inbox_mirror(run_id, kind))
+    if oid is None:
+        oid = gitstore.read_ref(repo, inbox_ref(run_id, kind))
     if oid is None:
         return None
     try:
@@ -55,7 +78,12 @@ def read_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> Signed | None
         ) from exc
 
 
-def clear_inbox(repo: pygit2.Repository, run_id: str, kind: str) -> None:
+def clear_inbox(
+    repo: pygit2.Repository, run_id: str, kind: str, site: RemoteSite | None = None
+) -> None:
+    """Remove the evidence :func:`read_inbox` returned (the remote's, else the local)."""
+    if site is not None and site.take_evidence(run_id, kind):
+        return
     ref = inbox_ref(run_id, kind)
     current = gitstore.read_ref(repo, ref)
     if current is not None:
@@ -195,7 +223,7 @@ class Approvals:
     def intake_approval(self, rt: Runtime) -> bool:
         """refresh_pending_approval: take a fresh approval from the inbox into the checkpoint."""
         s = rt.state
-        evidence = read_inbox(rt.env.repo, s.run_id, "approval")
+        evidence = read_inbox(rt.env.repo, s.run_id, "approval", rt.env.site)
         if evidence is None or s.phase != AWAITING_APPROVAL or s.pending is None:
             return False
         claims = self.check_approval(s, evidence)
@@ -217,7 +245,7 @@ class Approvals:
         """Consume a signed review decision: replan or abort; anything off stays frozen."""
         s = rt.state
         case = s.review
-        evidence = read_inbox(rt.env.repo, s.run_id, "review")
+        evidence = read_inbox(rt.env.repo, s.run_id, "review", rt.env.site)
         if case is None or evidence is None or s.pending is None:
             return False
         claims = verify(evidence, self._roots(), "reviewer", REVIEW_DOMAIN)

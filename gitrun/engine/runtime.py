@@ -92,7 +92,7 @@ class Runtime:
         elif isinstance(effect, m.RunVerifier):
             self._verify(effect)
         elif isinstance(effect, m.ClearInbox):
-            clear_inbox(self.env.repo, self.state.run_id, effect.kind)
+            clear_inbox(self.env.repo, self.state.run_id, effect.kind, self.env.site)
         elif isinstance(effect, m.SyncIndex):
             # Bound how far the worktree's index lags, so a full observation (resume,
             # verify) never does work that grows with the length of the run.

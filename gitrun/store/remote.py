@@ -60,8 +60,8 @@ def run_refspecs(run_id: str) -> list[str]:
     """
     return [
         f"+refs/gitrun/runs/{run_id}/*:refs/gitrun/runs/{run_id}/*",
-        # Evidence waiting for the runtime stays this machine's (approvals and reviews do
-        # not travel through the remote yet): neither fetched over nor pruned.
+        # Evidence waiting for the runtime is never fetched over nor pruned by a sync: it
+        # travels on its own path (RemoteSite.fetch_inbox, into inbox_mirror).
         f"^refs/gitrun/runs/{run_id}/inbox/*",
         f"+refs/heads/gitrun/{run_id}*:{mirror_ref(run_id)}*",
     ]
@@ -70,6 +70,11 @@ def run_refspecs(run_id: str) -> list[str]:
 def mirror_ref(run_id: str) -> str:
     """Where a fetch puts the remote's value of the run's branch (absent: it has none)."""
     return f"refs/gitrun/remote-branches/{run_id}/branch"
+
+
+def inbox_mirror(run_id: str, kind: str) -> str:
+    """Where :meth:`RemoteSite.fetch_inbox` puts the remote's evidence of ``kind``."""
+    return f"refs/gitrun/remote-inbox/{run_id}/{kind}"
 
 
 def _hex(oid: pygit2.Oid | None) -> str | None:
@@ -100,6 +105,39 @@ class RemoteSite:
     def branch_on_remote(self, run_id: str) -> pygit2.Oid | None:
         """The remote's value of the run's branch as last fetched (None: it has none)."""
         return gitstore.read_ref(self.repo, mirror_ref(run_id))
+
+    def fetch_inbox(self, run_id: str) -> None:
+        """Copy the remote's inbox of ``run_id`` into :func:`inbox_mirror` (pruned there):
+        this machine's own inbox refs are never written by a fetch."""
+        spec = f"+refs/gitrun/runs/{run_id}/inbox/*:refs/gitrun/remote-inbox/{run_id}/*"
+        self.remote.fetch([spec], f"reading run {run_id}'s inbox")
+
+    def put_evidence(self, run_id: str, kind: str, blob: pygit2.Oid) -> None:
+        """Push evidence to the remote inbox in one push leased on the value just fetched
+        (it replaces an unconsumed one, as the local inbox does; never one it did not see)."""
+        ref = f"refs/gitrun/runs/{run_id}/inbox/{kind}"
+        rejected = None
+        for _ in range(MAX_PUSHES + 1):
+            self.fetch_inbox(run_id)
+            there = _hex(gitstore.read_ref(self.repo, inbox_mirror(run_id, kind)))
+            update = Update(ref, str(blob), there)
+            rejected = self.remote.push([update], f"pushing {kind} evidence of run {run_id}")
+            if rejected is None:
+                self.cache([Update(inbox_mirror(run_id, kind), str(blob), None)])
+                return
+        raise _refusing(self.remote, f"pushing {kind} evidence of run {run_id}", rejected)
+
+    def take_evidence(self, run_id: str, kind: str) -> bool:
+        """Delete the consumed evidence (as last fetched) from the remote inbox, leased on
+        it: newer evidence pushed meanwhile stays. Whether there was any to delete."""
+        mirror = inbox_mirror(run_id, kind)
+        seen = gitstore.read_ref(self.repo, mirror)
+        if seen is None:
+            return False
+        ref = f"refs/gitrun/runs/{run_id}/inbox/{kind}"
+        self.remote.push([Update(ref, None, str(seen))], f"consuming run {run_id}'s {kind}")
+        self.cache([Update(mirror, None, None)])  # a rejection: newer evidence, refetched later
+        return True
 
     def fence_update(self, run_id: str, fence: Fence) -> Update:
         """The lease move every fenced push carries, refused (LeaseLost) unless ``fence`` is
@@ -399,4 +437,11 @@ class RemoteReceiptLog(GitReceiptLog):
         return found, False
 
 
-__all__ = ["RemoteCheckpointLog", "RemoteReceiptLog", "RemoteSite", "mirror_ref", "run_refspecs"]
+__all__ = [
+    "RemoteCheckpointLog",
+    "RemoteReceiptLog",
+    "RemoteSite",
+    "inbox_mirror",
+    "mirror_ref",
+    "run_refspecs",
+]
