@@ -115,3 +115,30 @@ def git_daemon(tmp_path: Path) -> Iterator[Daemon]:
         yield daemon
     finally:
         daemon.stop()
+
+
+class Machines:
+    """Machines sharing one remote: each its own workspace under ``tmp/<name>``, one
+    keyring file handed to all of them out of band, the remote's bare repository."""
+
+    def __init__(self, tmp: Path, daemon: Daemon, names: str = "ab") -> None:
+        self.tmp = tmp
+        self.url = daemon.bare()
+        self.bare = Path(daemon.path_url())
+        self.key = tmp / "shared.keyring"  # handed to every machine out of band
+        for name in names:
+            (tmp / name).mkdir()
+
+    def args(self, machine: str) -> list[str]:
+        return ["--workspace", str(self.tmp / machine), "--key-file", str(self.key)]
+
+    def remote_git(self, *args: str) -> str:
+        return hermetic_git(f"--git-dir={self.bare}", *args).strip()
+
+    def writes_on_remote(self, run_id: str) -> list[str]:
+        """The idempotency keys of the write commits on the remote branch, oldest first."""
+        out = self.remote_git(
+            "log", "--reverse", "--format=%(trailers:key=Gitrun-Idempotency-Key,valueonly)",
+            f"gitrun/{run_id}",
+        )  # fmt: skip
+        return [line for line in out.split() if line]

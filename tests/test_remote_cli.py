@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import remote_helpers
 from conftest import SANDBOXES, Gitrun
 from helpers import one_line
 from remote_helpers import Daemon, hermetic_git
@@ -22,31 +23,12 @@ FIX_MEDIAN = SANDBOXES / "fix-median"
 FAST = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 
-class Machines:
+class Machines(remote_helpers.Machines):
     """Machine A and machine B: each its own workspace (and sandbox repository); one
     keyring file shared out of band; one remote."""
 
-    def __init__(self, tmp: Path, daemon: Daemon) -> None:
-        self.tmp = tmp
-        self.url = daemon.bare()
-        self.bare = Path(daemon.path_url())
-        self.key = tmp / "shared.keyring"  # handed to both machines out of band
-        for name in ("a", "b"):
-            (tmp / name).mkdir()
-
     def cli(self, machine: str) -> Gitrun:
         return Gitrun(self.tmp / machine)
-
-    def args(self, machine: str) -> list[str]:
-        return ["--workspace", str(self.tmp / machine), "--key-file", str(self.key)]
-
-    def writes_on_remote(self, run_id: str) -> list[str]:
-        """The idempotency keys of the write commits on the remote branch, oldest first."""
-        out = hermetic_git(
-            f"--git-dir={self.bare}", "log", "--reverse",
-            "--format=%(trailers:key=Gitrun-Idempotency-Key,valueonly)", f"gitrun/{run_id}",
-        )  # fmt: skip
-        return [line for line in out.split() if line]
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import remote_helpers
 from conftest import SANDBOXES, Gitrun
 from helpers import Keys, Result
 from remote_helpers import Daemon, hermetic_git
@@ -33,20 +34,15 @@ FAST = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 FINGERPRINT = re.compile(r"evidence (sha256:[0-9a-f]{64})")
 
 
-class Machines:
+class Machines(remote_helpers.Machines):
     """Machines a, b and c: each its own workspace; one keyring file shared out of band."""
 
     def __init__(self, tmp: Path, daemon: Daemon, keys: Keys) -> None:
-        self.tmp, self.keys = tmp, keys
-        self.url = daemon.bare()
-        self.bare = Path(daemon.path_url())
-        self.key = tmp / "shared.keyring"
-        for name in "abc":
-            (tmp / name).mkdir()
+        super().__init__(tmp, daemon, "abc")
+        self.keys = keys
 
     def cli(self, machine: str, *args: str, **extra: str) -> Result:
-        base = ["--workspace", str(self.tmp / machine), "--key-file", str(self.key)]
-        return Gitrun(self.tmp / machine).run([*args, *base], {**FAST, **extra})
+        return Gitrun(self.tmp / machine).run([*args, *self.args(machine)], {**FAST, **extra})
 
     def resume(self, machine: str, *more: str, **extra: str) -> Result:
         roots = ["--trust-roots", str(self.keys.roots)]

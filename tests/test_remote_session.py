@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import remote_helpers
 from conftest import SANDBOXES, Gitrun
 from remote_helpers import Daemon, hermetic_git
 from session_client import Rpc
@@ -38,33 +39,11 @@ def session(cli: Gitrun, *args: str) -> Rpc:
     return Rpc(cli, *args, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
 
 
-class Machines:
+class Machines(remote_helpers.Machines):
     """Two workspaces (machines A and B), one keyring shared out of band, one remote."""
-
-    def __init__(self, tmp: Path, daemon: Daemon) -> None:
-        self.tmp = tmp
-        self.url = daemon.bare()
-        self.bare = Path(daemon.path_url())
-        self.key = tmp / "shared.keyring"
-        for name in ("a", "b"):
-            (tmp / name).mkdir()
 
     def cli(self, machine: str) -> Gitrun:
         return Gitrun(self.tmp / machine)
-
-    def args(self, machine: str) -> list[str]:
-        return ["--workspace", str(self.tmp / machine), "--key-file", str(self.key)]
-
-    def remote_git(self, *args: str) -> str:
-        return hermetic_git(f"--git-dir={self.bare}", *args).strip()
-
-    def keys(self, run_id: str) -> list[str]:
-        """The idempotency keys of the write commits on the remote branch, oldest first."""
-        out = self.remote_git(
-            "log", "--reverse", "--format=%(trailers:key=Gitrun-Idempotency-Key,valueonly)",
-            f"gitrun/{run_id}",
-        )  # fmt: skip
-        return [line for line in out.split() if line]
 
     def cache_tip(self, machine: str, run_id: str) -> str:
         repo = next((self.tmp / machine / "repos").iterdir())
@@ -93,7 +72,7 @@ def test_a_session_killed_on_machine_a_is_continued_on_machine_b_each_key_once(
     assert kept == two["output_blob"]
     a.proc.kill()  # SIGKILL mid-session: its lease stays held for 600 s
     assert a.proc.wait(timeout=10) == -9
-    assert machines.keys("s1") == ["sess-key-1", "sess-key-2"]
+    assert machines.writes_on_remote("s1") == ["sess-key-1", "sess-key-2"]
     go_on = [RENAME, "--run-id", "s1", "--remote", machines.url, "--takeover-after", "0"]
     b = session(machines.cli("b"), *go_on, *machines.args("b"))
     assert b.call("observe")["head"]["commit"] == two["commit"]
@@ -103,11 +82,15 @@ def test_a_session_killed_on_machine_a_is_continued_on_machine_b_each_key_once(
     assert machines.remote_git("rev-parse", "gitrun/s1") == rest["commit"]
     assert b.call("finish")["phase"] == "done"
     assert b.close() == Exit.DONE
-    assert machines.keys("s1") == ["sess-key-1", "sess-key-2", "sess-key-3"]  # each once
+    assert machines.writes_on_remote("s1") == [
+        "sess-key-1",
+        "sess-key-2",
+        "sess-key-3",
+    ]  # each once
     # Machine A, started again later, finds the run finished on B and writes nothing.
     late = machines.cli("a").run(["resume", "s1", *machines.args("a")], FAST)
     assert late.code == Exit.DONE, late.err
-    assert machines.keys("s1") == ["sess-key-1", "sess-key-2", "sess-key-3"]
+    assert machines.writes_on_remote("s1") == ["sess-key-1", "sess-key-2", "sess-key-3"]
 
 
 def test_the_workspace_config_remote_is_the_session_default(machines: Machines) -> None:
@@ -117,7 +100,7 @@ def test_the_workspace_config_remote_is_the_session_default(machines: Machines) 
     assert machines.remote_git("rev-parse", "gitrun/s2") == wrote["commit"]
     assert rpc.call("finish")["phase"] == "done"
     assert rpc.close() == Exit.DONE
-    assert machines.keys("s2") == ["cfg-key-1"]
+    assert machines.writes_on_remote("s2") == ["cfg-key-1"]
 
 
 def test_a_session_with_another_remote_than_the_run_s_own_is_refused(machines: Machines) -> None:
@@ -192,7 +175,7 @@ def test_gitrun_mcp_killed_on_machine_a_is_continued_on_machine_b(machines: Mach
 
     with pytest.raises(Exception):  # noqa: B017 - whatever the SDK raises for a dead server
         anyio.run(on_a)
-    assert machines.keys("m1") == ["mcp-key-1"]
+    assert machines.writes_on_remote("m1") == ["mcp-key-1"]
     anyio.run(on_b)
-    assert machines.keys("m1") == ["mcp-key-1", "mcp-key-2"]  # each key landed once
+    assert machines.writes_on_remote("m1") == ["mcp-key-1", "mcp-key-2"]  # each key landed once
     assert machines.cache_tip("b", "m1") == machines.remote_git("rev-parse", "gitrun/m1")
