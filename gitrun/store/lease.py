@@ -237,13 +237,7 @@ class LeaseManager:
         Writes nothing (it only takes this worker's OS owner lock), so a resume can
         check ownership, then the environment, and refuse without changing the repo.
         """
-        if not self._claim_owner_lock():
-            raise LeaseHeld(
-                self.worker,
-                0.0,
-                f"worker id {self.worker} is already at work on run "
-                f"{self.run_id} in another live process; pick another --worker-id",
-            )
+        self._claim_or_refuse()
         try:
             current, oid = read_lease(self.repo, self.run_id)
             self._refuse_unless_takeable(current, takeover_after)
@@ -259,6 +253,16 @@ class LeaseManager:
             self._drop_owner_lock()
             raise
         return again, again_oid
+
+    def _claim_or_refuse(self) -> None:
+        """Take this worker's OS owner lock, or LeaseHeld: a live process already uses the id."""
+        if not self._claim_owner_lock():
+            raise LeaseHeld(
+                self.worker,
+                0.0,
+                f"worker id {self.worker} is already at work on run "
+                f"{self.run_id} in another live process; pick another --worker-id",
+            )
 
     def _refuse_unless_takeable(self, current: Lease | None, takeover_after: float | None) -> None:
         """LeaseHeld unless ``current`` is free, ours, expired, stale or its owner dead."""

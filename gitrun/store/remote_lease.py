@@ -52,7 +52,7 @@ class RemoteLeaseStore(LeaseManager):
         super().__init__(site.repo, run_id, worker, duration)
         self.site = site
 
-    def _known_dead(self, worker: str) -> bool:
+    def _owner_dead(self, worker: str) -> bool:
         """True only for a worker that worked through this clone and whose process is gone."""
         if not _owner_lock_path(self.repo, self.run_id, worker).exists():
             return False
@@ -63,13 +63,7 @@ class RemoteLeaseStore(LeaseManager):
     ) -> tuple[Lease | None, pygit2.Oid | None]:
         """Raise LeaseHeld unless acquire may take the lease now (read fresh from the
         remote); writes nothing. (current lease, its blob id)."""
-        if not self._claim_owner_lock():
-            raise LeaseHeld(
-                self.worker,
-                0.0,
-                f"worker id {self.worker} is already at work on run "
-                f"{self.run_id} in another live process; pick another --worker-id",
-            )
+        self._claim_or_refuse()
         try:
             self.site.sync(self.run_id)
             current, oid = read_lease(self.repo, self.run_id)
@@ -78,9 +72,6 @@ class RemoteLeaseStore(LeaseManager):
             self._drop_owner_lock()
             raise
         return current, oid
-
-    def _owner_dead(self, worker: str) -> bool:
-        return self._known_dead(worker)
 
     def _where(self) -> str:
         return f", lease on {self.site.url}"
