@@ -327,7 +327,9 @@ def test_two_batch_commands_on_one_run_id_share_the_work_and_write_once(
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
     report = json.loads((world / "out" / "gold.two.json").read_text())
-    assert report["resolved_ids"] == IDS
+    logs = world / "out" / "logs" / "run_evaluation" / "two" / "gold"
+    why = {p.parent.name: p.read_text()[-600:] for p in logs.glob("*/test_output.txt")}
+    assert report["resolved_ids"] == IDS, (report, why)
     for repo in ("fix-median", "slugify-unicode"):
         assert list(receipts(world, repo).values()) == [2]
 
