@@ -116,7 +116,7 @@ def _children(
         return [
             (e.id, old.get(e.name))
             for e in obj
-            if e.filemode != pygit2.enums.FileMode.COMMIT and old.get(e.name) != e.id
+            if old.get(e.name) != e.id and e.filemode != pygit2.enums.FileMode.COMMIT
         ]
     if isinstance(obj, pygit2.Tag):
         return [(obj.target, None)]

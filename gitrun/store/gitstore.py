@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pygit2
-from pygit2.enums import Option
+from pygit2.enums import ObjectType, Option
 
 from gitrun.core import faults
 from gitrun.core.errors import CasFailed, EnvironmentDrift, RefLocked, Refused
@@ -49,6 +49,8 @@ STALE_LOCK_GRACE_SECONDS = 1.0
 LOCK_TIMEOUT_SECONDS = 30.0
 
 _configured = False
+# The largest tree libgit2 keeps parsed in its object cache: a 10,000-entry directory.
+WIDE_TREE_CACHE_LIMIT = 1 << 20
 
 
 def configure_git() -> None:
@@ -57,6 +59,10 @@ def configure_git() -> None:
     global _configured  # noqa: PLW0603 - a process-wide libgit2 option, set once
     if not _configured:
         pygit2.option(Option.ENABLE_FSYNC_GITDIR, False)
+        # libgit2 caches no tree over 4 KB (about 100 entries): every lookup through a wide
+        # directory re-read and re-inflated it, several times a step. Objects are
+        # immutable by their id, so a cached one is never stale.
+        pygit2.settings.cache_object_limit(ObjectType.TREE, WIDE_TREE_CACHE_LIMIT)
         _configured = True
 
 

@@ -104,12 +104,46 @@ def tree_with_changes(
 
 
 def changed_paths(old: pygit2.Tree, new: pygit2.Tree) -> set[str]:
-    """Every path a diff from ``old`` to ``new`` adds, removes or modifies."""
+    """Every path a diff from ``old`` to ``new`` adds, removes or modifies (the set
+    libgit2's tree diff names), found by descending only into subtrees whose ids differ:
+    the cost is the width of the changed directories, not the repository's size
+    (libgit2's diff expands every subtree, equal or not: 10 ms a step at 100,000 files)."""
     paths: set[str] = set()
-    for delta in old.diff_to_tree(new).deltas:
-        paths.add(delta.new_file.path)
-        paths.add(delta.old_file.path)
+    _diff(old, new, "", paths)
     return paths
+
+
+def _diff(old: pygit2.Tree, new: pygit2.Tree, prefix: str, out: set[str]) -> None:
+    if old.id == new.id:
+        return
+    before = {e.name: e for e in old}
+    for e in new:
+        o = before.pop(e.name, None) if e.name is not None else None
+        # (filemode builds an enum per call: read it only where a mode alone can differ)
+        if (
+            o is not None
+            and o.id == e.id
+            and (isinstance(e, pygit2.Tree) or o.filemode == e.filemode)
+        ):
+            continue
+        path = f"{prefix}{e.name}"
+        if isinstance(o, pygit2.Tree) and isinstance(e, pygit2.Tree):
+            _diff(o, e, f"{path}/", out)
+            continue
+        if o is not None:
+            _leaves(o, path, out)
+        _leaves(e, path, out)
+    for name, o in before.items():
+        _leaves(o, f"{prefix}{name}", out)
+
+
+def _leaves(obj: pygit2.Object, path: str, out: set[str]) -> None:
+    """``path`` itself for a file (blob, link, submodule); every file under it for a tree."""
+    if isinstance(obj, pygit2.Tree):
+        for e in obj:
+            _leaves(e, f"{path}/{e.name}", out)
+    else:
+        out.add(path)
 
 
 def rewind_changes(old: pygit2.Tree, new: pygit2.Tree) -> dict[str, Change]:
