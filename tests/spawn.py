@@ -14,7 +14,7 @@ it at once and passes its wait status on; the returned object is a ``subprocess.
 Everything else is exec'd as before, and so is a call whose environment differs from the
 server's in a variable read while gitrun was imported (or in any ``PYTHON*``, ``LC_*``,
 ``LANG*`` variable, which the interpreter reads when it starts), or that asks for what a
-fork cannot give (another interpreter or flag, pass_fds, a new session, a preexec_fn).
+fork cannot give (another interpreter or flag, pass_fds, a preexec_fn, another user).
 A test of a fresh process's own properties (start-up time, what gets imported) execs its
 own interpreter and never comes here. ``GITRUN_SUITE_FORK=0`` in the environment pytest
 starts with turns the server off: every call is exec'd.
@@ -42,7 +42,9 @@ SERVER = Path(__file__).resolve().parent / "zygote.py"
 ENABLED = os.environ.get("GITRUN_SUITE_FORK", "1") != "0"
 FLAGS = ["-O"] * sys.flags.optimize  # the interpreter flags every CLI child runs with
 # What a forked child can be given as its subprocess.Popen was.
-_FORKABLE = frozenset({"stdin", "stdout", "stderr", "text", "env", "cwd", "bufsize"})
+_FORKABLE = frozenset(
+    {"stdin", "stdout", "stderr", "text", "env", "cwd", "bufsize", "start_new_session"}
+)
 _STARTUP = ("PYTHON", "LC_", "LANG")  # read by the interpreter itself as it starts
 # Read while the server imported gitrun, and made right in each child: HOME by sysconfig's
 # user base (this venv has no user site) and by libgit2 (its search path is reset).
@@ -81,9 +83,19 @@ class Server:
         startup = {n for n in names if n.startswith(_STARTUP) and n not in _EMULATED}
         return all(env.get(n) == self.env.get(n) for n in self.sensitive | startup)
 
-    def fork(self, argv: list[str], env: Mapping[str, str], cwd: str, fds: list[int]) -> Any:
-        """A child running ``argv`` (after the interpreter): its connection and pid."""
-        body = json.dumps({"argv": argv, "flags": FLAGS, "env": dict(env), "cwd": cwd})
+    def fork(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        fds: list[int],
+        *,
+        session: bool = False,
+    ) -> Any:
+        """A child running ``argv`` (after the interpreter), in a new session if asked:
+        its connection to this server, and its pid."""
+        request = {"argv": argv, "flags": FLAGS, "env": dict(env), "cwd": cwd, "session": session}
+        body = json.dumps(request)
         data = body.encode()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -153,9 +165,9 @@ class Forked(subprocess.Popen[Any]):
         fds = [fd if fd != -1 else i for i, fd in enumerate((p2cread, c2pwrite, errwrite))]
         where = os.fspath(cwd) if cwd is not None else os.getcwd()
         after = list(args[1 + len(FLAGS) :])  # what follows the interpreter and its flags
-        self._conn, self.pid = self._zygote.fork(
-            after, os.environ if env is None else env, where, fds
-        )
+        env = os.environ if env is None else env
+        session = bool(rest[-2])  # start_new_session (then process_group)
+        self._conn, self.pid = self._zygote.fork(after, env, where, fds, session=session)
         self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]
 

@@ -154,6 +154,8 @@ def drain(fd: int) -> None:
 
 def become(request: dict[str, Any], fds: list[int]) -> None:
     """In the child: the process ``python ARGV`` started with ``request`` would be."""
+    if request.get("session"):
+        os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
@@ -174,18 +176,18 @@ def run(request: dict[str, Any]) -> None:
     """``-m MODULE ARGS`` or ``-c CODE ARGS``, as the interpreter runs them."""
     argv: list[str] = request["argv"]
     sys.orig_argv = [sys.executable, *request["flags"], *argv]
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
     if argv[0] == "-m":
         import runpy
 
         sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file in sys.argv[0]
         sys.path.insert(0, os.getcwd())
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined]
         return
     sys.argv = ["-c", *argv[2:]]
     sys.path.insert(0, "")
-    main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = __builtins__
-    sys.modules["__main__"] = main
     exec(compile(argv[1], "<string>", "exec"), main.__dict__)  # noqa: S102 - as python -c
 
 
@@ -234,9 +236,10 @@ def finish(request: dict[str, Any]) -> int:
 def report(exc: BaseException) -> None:
     """The traceback the interpreter prints, from the code it ran (not this server's frames)."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    here = report.__code__.co_filename  # this file (the -c child's __main__ is not it)
+    while tb is not None and tb.tb_frame.f_code.co_filename == here:
         tb = tb.tb_next
-    sys.excepthook(type(exc), exc, tb)
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
 
 
 def exit_code(exc: SystemExit) -> int:
