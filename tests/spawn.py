@@ -15,9 +15,13 @@ Everything else is exec'd as before, and so is a call whose environment differs 
 server's in a variable read while gitrun was imported (or in any ``PYTHON*``, ``LC_*``,
 ``LANG*`` variable, which the interpreter reads when it starts), or that asks for what a
 fork cannot give (another interpreter or flag, pass_fds, a preexec_fn, another user).
-A test of a fresh process's own properties (start-up time, what gets imported) execs its
-own interpreter and never comes here. ``GITRUN_SUITE_FORK=0`` in the environment pytest
-starts with turns the server off: every call is exec'd.
+What a forked child is not: this process's child (``os.waitid``/``os.waitpid`` on its
+pid and ``RUSAGE_CHILDREN`` see nothing of it: use the returned object's methods), nor a
+fresh interpreter (it has every gitrun module imported, and the server's hash seed). A
+test that needs either (test_scale waits on a stopped child with ``waitid``; start-up
+time and lazy-import tests measure a fresh interpreter) calls :mod:`subprocess` itself.
+``GITRUN_SUITE_FORK=0`` in the environment pytest starts with turns the server off:
+every call is exec'd (the A/B switch for the suite's timings).
 """
 
 from __future__ import annotations
