@@ -108,6 +108,9 @@ class Server:
             conn.sendmsg([HEADER.pack(len(data))], [rights])
             conn.sendall(data)
             (pid,) = PID.unpack(_read(conn, PID.size))
+        except (OSError, RuntimeError) as exc:
+            conn.close()
+            raise RuntimeError(f"the fork server failed ({exc}); its log: {self.log()}") from exc
         except BaseException:
             conn.close()
             raise
