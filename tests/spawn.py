@@ -52,7 +52,16 @@ _FORKABLE = frozenset(
 _STARTUP = ("PYTHON", "LC_", "LANG")  # read by the interpreter itself as it starts
 # Read while the server imported gitrun, and made right in each child: HOME by sysconfig's
 # user base (this venv has no user site) and by libgit2 (its search path is reset).
-_EMULATED = frozenset({"HOME", "PYTHONDONTWRITEBYTECODE"})
+_EMULATED = frozenset({"HOME", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE"})
+# The server starts with the environment this process started with (the same for every
+# test, whichever calls first), so which calls it serves does not depend on test order.
+_BASE_ENV = dict(os.environ)
+
+
+def optimize_level(env: Mapping[str, str]) -> int:
+    """The ``sys.flags.optimize`` of ``python FLAGS`` started with ``env``."""
+    value = env.get("PYTHONOPTIMIZE", "")
+    return max(len(FLAGS), int(value) if value.isdigit() else int(bool(value)))
 
 
 class Server:
@@ -85,7 +94,8 @@ class Server:
         """Would a child forked here see what an exec'd one with ``env`` would?"""
         names = set(env) | set(self.env)
         startup = {n for n in names if n.startswith(_STARTUP) and n not in _EMULATED}
-        return all(env.get(n) == self.env.get(n) for n in self.sensitive | startup)
+        same = all(env.get(n) == self.env.get(n) for n in self.sensitive | startup)
+        return same and optimize_level(env) == optimize_level(self.env)
 
     def fork(
         self,
@@ -146,11 +156,11 @@ _lock = threading.Lock()
 _server: dict[int, Server] = {}  # this process's pid -> its server (a fork starts anew)
 
 
-def server(env: Mapping[str, str]) -> Server:
+def server() -> Server:
     with _lock:
         found = _server.get(os.getpid())
         if found is None:
-            found = _server[os.getpid()] = Server(env)
+            found = _server[os.getpid()] = Server(_BASE_ENV)
             atexit.register(found.close)
         return found
 
@@ -241,8 +251,9 @@ def popen(argv: Sequence[Any], **kwargs: Any) -> subprocess.Popen[Any]:
     args = _forkable(argv, kwargs)
     env = kwargs.get("env")
     env = os.environ if env is None else env
-    if args is not None:
-        zygote = server(env)
+    cwd = kwargs.get("cwd")
+    if args is not None and (cwd is None or os.path.isdir(cwd)):  # else exec: Popen raises
+        zygote = server()
         if zygote.serves(env):
             return Forked(zygote, args, **kwargs)
     return subprocess.Popen(list(argv), **kwargs)

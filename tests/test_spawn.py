@@ -139,3 +139,5 @@ def test_what_a_fork_cannot_give_is_execd() -> None:
     ):
         assert not isinstance(proc, spawn.Forked)
         assert proc.wait(timeout=60) == 0
+    with pytest.raises(FileNotFoundError):  # as subprocess.Popen raises it, not a child's exit
+        spawn.popen(argv, cwd="/nonexistent/directory")
