@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import pygit2
 import pytest
+import spawn
 
 from gitrun.app import service
 from gitrun.app.workspace import Workspace
@@ -126,7 +127,8 @@ class Result:
 
 @dataclass
 class Gitrun:
-    """Runs the real CLI in a subprocess against one private workspace."""
+    """Runs the real CLI in a subprocess against one private workspace (forked from the
+    worker's fork server where that gives the same process: tests/spawn.py)."""
 
     home: Path
 
@@ -149,7 +151,7 @@ class Gitrun:
         self, args: Sequence[str], extra: Mapping[str, str] | None = None, *, timeout: float = 120
     ) -> Result:
         """``gitrun ARGS`` with the environment variables ``extra``, within ``timeout``."""
-        proc = subprocess.run(
+        proc = spawn.run(
             self.argv(*args),
             capture_output=True,
             text=True,
@@ -161,7 +163,7 @@ class Gitrun:
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
     def popen(self, *args: str, **extra: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
+        return spawn.popen(
             self.argv(*args),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import spawn
 from conftest import SANDBOXES, Gitrun
 from helpers import hermetic_env
 
@@ -94,7 +95,7 @@ class Cli:
         self, *args: str, crash_at: str = "", timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
         env = {**self.env, faults.ENV_VAR: crash_at} if crash_at else self.env
-        return subprocess.run(
+        return spawn.run(
             self.argv(*args),
             capture_output=True,
             text=True,
@@ -105,7 +106,7 @@ class Cli:
         )
 
     def popen(self, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
+        return spawn.popen(
             self.argv(*args),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import spawn
 from conftest import SANDBOXES, Gitrun, git, snapshot
 from helpers import PAUSING_WORKER, one_line
 
@@ -161,7 +162,7 @@ def pausing_worker(
     gitrun: Gitrun, tmp_path: Path, pause_at: str, *args: str
 ) -> tuple[subprocess.Popen[str], Path, Path]:
     marker, go = tmp_path / f"paused-{pause_at}", tmp_path / f"go-{pause_at}"
-    proc = subprocess.Popen(
+    proc = spawn.popen(
         [sys.executable, "-c", PAUSING_WORKER, pause_at, str(marker), str(go), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -366,7 +367,7 @@ def _race(
     files = {w: (tmp_path / f"{w}.ready", tmp_path / f"{w}.out") for w in names}
     go = tmp_path / f"go-{names[0]}"
     procs = [
-        subprocess.Popen(
+        spawn.popen(
             [
                 sys.executable,
                 "-c",

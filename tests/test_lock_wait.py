@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import spawn
 from conftest import SANDBOXES, Gitrun
 from helpers import PAUSING_WORKER, reap_all
 
@@ -21,7 +22,7 @@ def _holder(gitrun: Gitrun, tmp_path: Path) -> tuple[subprocess.Popen[str], Path
     """`gitrun run` held, running, inside its first write's branch ref transaction."""
     marker, go = tmp_path / "held", tmp_path / "go"
     args = ("run", str(SANDBOXES / "fix-median"), "--run-id", "r", "-q", "--worker-id", "worker-a")
-    proc = subprocess.Popen(
+    proc = spawn.popen(
         [sys.executable, "-c", PAUSING_WORKER, "write_ref_locked", str(marker), str(go), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=gitrun.env(**FAST), cwd=gitrun.home.parent,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import spawn
 from conftest import SANDBOXES, Gitrun, git, snapshot
 from helpers import PAUSING_WORKER, one_line
 
@@ -43,7 +44,7 @@ def paused(
 
     def start(point: str, *args: str) -> tuple[subprocess.Popen[str], Path]:
         marker, go = tmp_path / f"paused-{point}", tmp_path / f"go-{point}"
-        proc = subprocess.Popen(
+        proc = spawn.popen(
             [sys.executable, "-c", PAUSING_WORKER, point, str(marker), str(go), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -261,7 +262,7 @@ def test_processes_creating_the_keyring_at_the_same_instant_all_read_one_keyring
 ) -> None:
     keyring, go = tmp_path / "keys" / "checkpoint.keyring", tmp_path / "go"
     racers = [
-        subprocess.Popen(
+        spawn.popen(
             [sys.executable, "-c", KEYRING_RACER, str(keyring), str(go)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
