@@ -50,17 +50,18 @@ _watched: dict[int, int] = {}  # st_dev -> a descriptor kept open, so syncfs rep
 _stages: dict[Path, Path] = {}  # common dir -> its stage
 
 
-def watch(path: Path) -> None:
+def watch(path: Path) -> int:
     """Keep a descriptor on ``path``'s filesystem: syncfs reports errors seen since then."""
     dev = os.stat(path).st_dev
-    if dev not in _watched:
-        _watched[dev] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = _watched.get(dev)
+    if fd is None:
+        fd = _watched[dev] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    return fd
 
 
 def sync_filesystem(path: Path) -> None:
     """Everything written to ``path``'s filesystem is durable when this returns."""
-    watch(path)
-    fd = _watched[os.stat(path).st_dev]
+    fd = watch(path)  # the filesystem ``path`` is on now (one stat, every time)
     if _syncfs is None:  # not Linux: sync(2) flushes every filesystem
         os.sync()
         return
@@ -131,16 +132,16 @@ def barrier(repo: pygit2.Repository, cdir: Path, new: pygit2.Oid, old: pygit2.Oi
     sync_filesystem(cdir)
     if not objects:
         return
-    stage = _stages.get(cdir, cdir / STAGE_DIR)
+    stage, published = str(_stages.get(cdir, cdir / STAGE_DIR)), f"{cdir}/objects"
     for hexid in objects:
         fan, name = hexid[:2], hexid[2:]
-        target = cdir / "objects" / fan
+        source, target = f"{stage}/{fan}/{name}", f"{published}/{fan}/{name}"
         try:
-            os.rename(stage / fan / name, target / name)
+            os.rename(source, target)
         except FileNotFoundError:
-            if (stage / fan / name).exists():  # the fan-out directory is new
-                target.mkdir(exist_ok=True)
-                os.rename(stage / fan / name, target / name)
+            if os.path.exists(source):  # the fan-out directory is new
+                Path(published, fan).mkdir(exist_ok=True)
+                os.rename(source, target)
             # else another writer published it at this moment: it is in objects/ now
     sync_filesystem(cdir)
 

@@ -30,12 +30,12 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pygit2
-from pygit2.enums import Option
+from pygit2.enums import ObjectType, Option
 
 from gitrun.core import faults
 from gitrun.core.errors import CasFailed, EnvironmentDrift, RefLocked, Refused
@@ -51,12 +51,23 @@ LOCK_TIMEOUT_SECONDS = 30.0
 _configured = False
 
 
+# libgit2 keeps parsed objects up to these sizes in its (bounded) object cache, keyed by
+# object id. Its defaults (4 KiB commits and trees, no blobs) leave a checkpoint commit
+# (~6.5 KB) and the lease blob to be re-read, inflated and re-hashed several times a step.
+# A cached object is the one its id names (ids are hashes; libgit2 verifies them on read),
+# so a file planted or changed on disk cannot make the cache answer stale content.
+CACHE_LIMITS = {ObjectType.COMMIT: 64 * 1024, ObjectType.TREE: 64 * 1024, ObjectType.BLOB: 4096}
+
+
 def configure_git() -> None:
     """libgit2's per-object fsync off (a step's objects are staged and made durable
-    together by :mod:`gitrun.store.durable`); must run before any Repository opens."""
+    together by :mod:`gitrun.store.durable`) and its object cache sized for gitrun's
+    records; must run before any Repository opens."""
     global _configured  # noqa: PLW0603 - a process-wide libgit2 option, set once
     if not _configured:
         pygit2.option(Option.ENABLE_FSYNC_GITDIR, False)
+        for kind, limit in CACHE_LIMITS.items():
+            pygit2.settings.cache_object_limit(kind, limit)
         _configured = True
 
 
@@ -123,11 +134,11 @@ class Guard:
 
 def _lock_path(cdir: Path, refname: str) -> Path:
     digest = hashlib.sha256(refname.encode()).hexdigest()[:32]
-    return cdir / "gitrun" / "locks" / f"{digest}.flock"
+    return Path(f"{cdir}/gitrun/locks/{digest}.flock")
 
 
 def _ref_lock_file(cdir: Path, refname: str) -> Path:
-    return cdir / (refname + ".lock")
+    return Path(f"{cdir}/{refname}.lock")
 
 
 def _clear_stale_lock(cdir: Path, refname: str) -> None:
@@ -158,15 +169,20 @@ def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]
     with ExitStack() as stack:
         for name in sorted(set(refnames)):
             path = _lock_path(cdir, name)
-            path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                stack.enter_context(
-                    flock(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
-                )
+                try:
+                    stack.enter_context(_ref_flock(path, name))
+                except FileNotFoundError:  # the locks directory is new (or was removed)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    stack.enter_context(_ref_flock(path, name))
             except LockBusy as exc:
                 raise busy_error(name, exc, LOCK_TIMEOUT_SECONDS) from exc
             _clear_stale_lock(cdir, name)
         yield
+
+
+def _ref_flock(path: Path, name: str) -> AbstractContextManager[None]:
+    return flock(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
 
 
 def update_ref(
@@ -243,15 +259,19 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> None
     """Take ``<ref>.lock`` (git's own lock protocol), compare, write the new value,
     barrier (objects and lock durable), reflog line, rename (the commit point), sync."""
     cdir, point = common_dir(repo), move.crash_prefix
-    lock = _take_lock(cdir, move.name)
-    if lock is None:
+    lock = _ref_lock_file(cdir, move.name)
+    fd = _take_lock(lock)
+    if fd is None:
         raise _LockTaken(f"{move.name}.lock exists")
     moved = False
     try:
-        if point:
-            faults.point(f"{point}_locked")
-        actual = _compare(repo, move.name, move.expected, guards, move.what)
-        _write_lock(lock, move.new)
+        try:
+            if point:
+                faults.point(f"{point}_locked")
+            actual = _compare(repo, move.name, move.expected, guards, move.what)
+            os.write(fd, f"{move.new}\n".encode())
+        finally:
+            os.close(fd)
         durable.barrier(repo, cdir, move.new, actual)
         if point:
             faults.point(f"{point}_synced")
@@ -269,23 +289,18 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> None
         durable.sync_filesystem(cdir)  # the move is durable before anyone is told of it
 
 
-def _take_lock(cdir: Path, name: str) -> Path | None:
-    """Create ``<ref>.lock`` exclusively, as git and libgit2 do; None when it exists."""
-    lock = _ref_lock_file(cdir, name)
-    lock.parent.mkdir(parents=True, exist_ok=True)
+def _take_lock(lock: Path) -> int | None:
+    """Create ``<ref>.lock`` exclusively, as git and libgit2 do, and return its open
+    descriptor (the new value is written through it); None when it exists."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
-        os.close(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+        try:
+            return os.open(lock, flags, 0o644)
+        except FileNotFoundError:  # the ref's directory is new
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(lock, flags, 0o644)
     except FileExistsError:
         return None
-    return lock
-
-
-def _write_lock(lock: Path, oid: pygit2.Oid) -> None:
-    fd = os.open(lock, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, f"{oid}\n".encode())
-    finally:
-        os.close(fd)
 
 
 def _delete(
