@@ -196,7 +196,8 @@ def update_ref(
     what: str = "",
     crash_prefix: str = "",
     cache: bool = False,
-) -> None:
+    follow: str = "",
+) -> bool:
     """Compare-and-swap ``name`` from ``expected`` to ``new`` (None = absent/delete).
 
     Every guard ref is re-read under its OS lock and its check called with its value;
@@ -205,23 +206,30 @@ def update_ref(
     A ``cache`` ref (a receipt index entry) skips the final sync: its bytes are durable
     before its rename, and the next move's barrier makes the rename durable (a power cut
     may lose the newest entry, never tear it; lookups rebuild it from the history).
+
+    ``follow`` names such a cache ref to point at ``new`` too, riding this move's final
+    sync instead of a barrier of its own: its lock's bytes are written after the commit
+    point and made durable by that sync, and it is renamed only once the move is durable
+    (so it never names a commit the durable ref does not). False when the follower's
+    lock was taken by someone else: nothing was written for it, the caller moves it alone.
     """
-    names = [name, *(g.name for g in guards)]
+    names = [name, *(g.name for g in guards), *([follow] if follow else [])]
     with os_locks(repo, names):
         for attempt in range(50):
             try:
                 if new is None:
                     _delete(repo, name, expected, guards, what, crash_prefix)
-                else:
-                    move = _Move(name, expected, new, message, what, crash_prefix, cache)
-                    _swap(repo, move, guards)
+                    return True
+                move = _Move(name, expected, new, message, what, crash_prefix, cache, follow)
+                _swap(repo, move, guards)
             except (pygit2.GitError, _LockTaken) as exc:
                 # A foreign process holds a ref lock for a moment: retry with jitter.
                 if attempt == 49:
                     raise RefLocked(name, f"could not lock {name}: {exc}") from exc
                 time.sleep(random.uniform(0.005, 0.03))  # noqa: S311 - jitter, not crypto
                 continue
-            return
+            return _finish(repo, move)  # outside the retries: the move has happened
+    return True  # not reached: the last attempt returns or raises
 
 
 class _LockTaken(Exception):
@@ -253,11 +261,13 @@ class _Move:
     what: str
     crash_prefix: str
     cache: bool
+    follow: str = ""
 
 
 def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> None:
     """Take ``<ref>.lock`` (git's own lock protocol), compare, write the new value,
-    barrier (objects and lock durable), reflog line, rename (the commit point), sync."""
+    barrier (objects and lock durable), reflog line, rename (the commit point); the
+    final sync follows in :func:`_finish`."""
     cdir, point = common_dir(repo), move.crash_prefix
     lock = _ref_lock_file(cdir, move.name)
     fd = _take_lock(lock)
@@ -285,8 +295,55 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> None
             lock.unlink(missing_ok=True)  # nothing moved: release the ref
     if point:
         faults.point(f"{point}_moved")
+
+
+def _finish(repo: pygit2.Repository, move: _Move) -> bool:
+    """After the commit point: the follower's lock written, the final sync, then the
+    follower's rename. False when its lock could not be taken (nothing written for it)."""
+    cdir = common_dir(repo)
+    follower = _lock_follower(repo, cdir, move.follow, move.new) if move.follow else None
     if not move.cache:
         durable.sync_filesystem(cdir)  # the move is durable before anyone is told of it
+    if follower is None:
+        return not move.follow
+    lock, old = follower
+    if old == move.new:
+        return True
+    try:
+        faults.point("receipt_index_locked")
+        reflog.append(repo, cdir, move.follow, old, move.new, "gitrun receipt index")
+        os.rename(lock, cdir / move.follow)  # no sync of its own: a cache ref (see above)
+    except BaseException:
+        lock.unlink(missing_ok=True)
+        raise
+    return True
+
+
+def _lock_follower(
+    repo: pygit2.Repository, cdir: Path, name: str, new: pygit2.Oid
+) -> tuple[Path, pygit2.Oid | None] | None:
+    """Take the follower's ``.lock``, write ``new`` in it (the move's final sync makes it
+    durable): (the lock, the follower's value). None when that fails (taken, unreadable):
+    nothing is left, and the caller moves the follower on its own, as before."""
+    lock = _ref_lock_file(cdir, name)
+    try:
+        fd = _take_lock(lock)
+    except OSError:
+        return None
+    if fd is None:
+        return None
+    try:
+        old = read_ref(repo, name)
+        if old != new:
+            os.write(fd, f"{new}\n".encode())
+    except (pygit2.GitError, OSError, Refused):
+        os.close(fd)
+        lock.unlink(missing_ok=True)
+        return None
+    os.close(fd)
+    if old == new:
+        lock.unlink()
+    return lock, old
 
 
 def _take_lock(lock: Path) -> int | None:
