@@ -43,6 +43,10 @@ from gitrun.core.errors import StorageFailed
 
 STAGE_DIR = "gitrun/stage"
 STAGE_PRIORITY = 100  # above the packed (2) and loose (1) backends: new objects land here
+# zlib level of the staged (then published) loose objects: git's own default for loose
+# objects (core.looseCompression = 1, best speed); libgit2's default (6) costs about twice
+# the CPU on a step's few kilobytes. Object ids do not depend on it.
+LOOSE_COMPRESSION = 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syncfs = getattr(_libc, "syncfs", None)
@@ -80,7 +84,8 @@ def attach_stage(repo: pygit2.Repository, cdir: Path) -> None:
         stage = cdir / STAGE_DIR
         stage.mkdir(parents=True, exist_ok=True)
         _stages[cdir] = stage
-    repo.odb.add_backend(pygit2.OdbBackendLoose(str(stage), -1, False), STAGE_PRIORITY)
+    backend = pygit2.OdbBackendLoose(str(stage), LOOSE_COMPRESSION, False)
+    repo.odb.add_backend(backend, STAGE_PRIORITY)
 
 
 def staged_closure(
