@@ -442,6 +442,7 @@ def test_every_pass_of_every_write_window_point_is_crashed_in_a_multi_write_sand
         "write_ref_locked",
         "write_ref_synced",
         "write_ref_moved",
+        "receipt_index_locked",
         "after_receipt_index",
         "mid_file_sync",
         "after_file_sync",

@@ -221,3 +221,89 @@ def test_a_killed_writer_leaves_its_unnamed_objects_staged_never_under_their_nam
     assert not (repo / ".git" / "objects" / oid[:2] / oid[2:]).exists()
     assert git(repo, "cat-file", "-t", "main^{tree}").strip() == "tree"
     git(repo, "fsck", "--strict", "--no-dangling")  # the repository itself is whole
+
+
+FOLLOW_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    from gitrun.store import gitstore
+    repo = gitstore.open_repo(sys.argv[1])
+    parent = repo.head.target
+    def mark(name):
+        try:
+            os.close(os.open("/nonexistent-durable-mark/" + name, os.O_RDONLY))
+        except OSError:
+            pass
+    sig = __import__("pygit2").Signature("t", "t@invalid", 1, 0)
+    blob = repo.create_blob(b"write " + os.urandom(8))
+    tb = repo.TreeBuilder(repo[parent].tree); tb.insert("w.txt", blob, 0o100644)
+    commit = repo.create_commit(None, sig, sig, "write\\n", tb.write(), [parent])
+    mark("begin")
+    # The branch move with its receipt index entry riding its final sync.
+    gitstore.update_ref(
+        repo, "refs/heads/main", parent, commit, message="test",
+        follow="refs/gitrun/runs/r/receipts/k-1",
+    )
+    mark("end")
+    """
+)
+
+
+@needs_strace
+def test_a_receipt_index_entry_rides_the_branch_moves_last_sync_and_is_renamed_after_it(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    """The index entry costs no sync of its own (issue #15) yet keeps both promises: its
+    bytes are durable before its name, and it is renamed only once the branch move it
+    names is durable, so a power cut never leaves an entry ahead of the branch."""
+    repo, log = _store_repo(tmp_path), tmp_path / "trace"
+    assert strace([sys.executable, "-c", FOLLOW_SCRIPT, str(repo)], gitrun.env(), log) == 0
+    lines = log.read_text().splitlines()
+    begin = next(i for i, x in enumerate(lines) if "durable-mark/begin" in x)
+    end = next(i for i, x in enumerate(lines) if "durable-mark/end" in x)
+    gitdir = str((repo / ".git").resolve())
+    disk = Disk(gitdir)
+    order: list[str] = []
+    for line in lines[begin:end]:
+        disk.feed(line)
+        m = LINE.match(line)
+        if m is None or int(m.group(4)) < 0:
+            continue
+        paths = QUOTED.findall(m.group(3))
+        if m.group(2) == "syncfs":
+            order.append("sync")
+        elif m.group(2) == "rename" and len(paths) == 2 and paths[1].startswith(gitdir + "/refs/"):
+            order.append(paths[1].removeprefix(gitdir + "/"))
+    assert disk.problems == []
+    assert disk.ref_moves == 2
+    assert disk.syncs <= 3  # the barrier's three; the index entry adds none
+    branch = order.index("refs/heads/main")
+    entry = order.index("refs/gitrun/runs/r/receipts/k-1")
+    assert "sync" in order[branch:entry], order
+    assert git(repo, "rev-parse", "refs/gitrun/runs/r/receipts/k-1") == git(
+        repo, "rev-parse", "main"
+    )
+
+
+def test_killed_with_the_index_entry_locked_the_write_stands_and_resume_rebuilds_the_entry(
+    gitrun: Gitrun,
+) -> None:
+    """The new window (receipt_index_locked): the branch move is durable, the entry's lock
+    is written but not renamed. The write is there; the entry is not, and a leftover
+    lock is all that shows; resume finds the receipt in the history, rebuilds the entry
+    (clearing the stale lock) and ends as an uninterrupted run does."""
+    res = gitrun("run", str(SANDBOXES / "fix-median"), "--run-id", "r1", "-q",
+                 GITRUN_CRASH_AT="receipt_index_locked")  # fmt: skip
+    assert res.code == -signal.SIGKILL, res.err
+    gitdir = gitrun.repo("fix-median") / ".git"
+    receipts = gitdir / "refs" / "gitrun" / "runs" / "r1" / "receipts"
+    locks = sorted(p.name for p in receipts.iterdir())
+    assert len(locks) == 1, locks
+    assert locks[0].endswith(".lock"), locks
+    tip = git(gitdir, "rev-parse", "refs/heads/gitrun/r1").strip()
+    assert "Gitrun-Idempotency-Key" in git(gitdir, "log", "-1", "--format=%B", tip)
+    res = gitrun("resume", "r1", "-q")
+    assert res.code == 0, res.out + res.err
+    entries = sorted(p.name for p in receipts.iterdir())
+    assert entries == [locks[0].removesuffix(".lock")]
+    assert git(gitdir, "rev-parse", f"refs/gitrun/runs/r1/receipts/{entries[0]}").strip() == tip

@@ -40,7 +40,7 @@ from gitrun.core.errors import (
 )
 from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
 from gitrun.store import gitstore, trees
-from gitrun.store.atomicfile import atomic_write
+from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
 from gitrun.store.receipts import GitReceiptLog
 from gitrun.store.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
@@ -129,7 +129,7 @@ class Environment(WorktreeFiles):
         """The instance id, valid only for the worktree at the path it was made for."""
         gitdir = Path(self.wt.path)
         try:
-            record = json.loads((gitdir / INSTANCE_FILE).read_text())
+            record = json.loads(read_bytes(gitdir / INSTANCE_FILE).decode())
         except (OSError, ValueError) as exc:
             raise EnvironmentDrift(
                 "other-instance",

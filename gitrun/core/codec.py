@@ -50,18 +50,36 @@ def optional_field(default: Any = None) -> Any:
     return dataclasses.field(default=default, metadata={OMIT_IF_DEFAULT: True})
 
 
-def _omitted(f: dataclasses.Field[Any], value: Any) -> bool:
-    return bool(f.metadata.get(OMIT_IF_DEFAULT)) and value == f.default
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_Plan = tuple[tuple[str, bool, Any], ...]
+_plans: dict[type, _Plan] = {}
+
+
+def _plan(cls: type) -> _Plan:
+    """(name, omitted while default, default) of each field of a dataclass, in order;
+    read once per class (a class's fields never change)."""
+    plan = _plans.get(cls)
+    if plan is None:
+        plan = tuple(
+            (f.name, bool(f.metadata.get(OMIT_IF_DEFAULT)), f.default)
+            for f in dataclasses.fields(cls)
+        )
+        _plans[cls] = plan
+    return plan
 
 
 def encode(obj: Any) -> Any:
     """A dataclass tree as plain JSON values (tuples become lists)."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {
-            f.name: encode(getattr(obj, f.name))
-            for f in dataclasses.fields(obj)
-            if not _omitted(f, getattr(obj, f.name))
-        }
+    cls = type(obj)
+    if cls in _SCALARS:  # exact types only: a subclass takes the general path below
+        return obj
+    if hasattr(cls, "__dataclass_fields__") and not isinstance(obj, type):
+        out = {}
+        for name, omit, default in _plan(cls):
+            value = getattr(obj, name)
+            if not (omit and value == default):
+                out[name] = encode(value)
+        return out
     if isinstance(obj, tuple | list):
         return [encode(v) for v in obj]
     if isinstance(obj, dict):

@@ -35,6 +35,8 @@ POINTS: dict[str, str] = {
     "write_ref_locked": "inside the branch ref transaction: ref lock files held, nothing moved",
     "write_ref_synced": "inside the branch move: write objects and ref lock durable, not renamed",
     "write_ref_moved": "window 3: the branch renamed (commit point), its final sync not yet",
+    "receipt_index_locked": "window 3: the branch move durable, its index entry's lock "
+    "written, not renamed",
     "after_receipt_index": "window 3: branch and index moved, worktree files not synced",
     "temp_file_written": "window 3: a worktree file's temp copy written, not renamed into place",
     "mid_file_sync": "window 3: some worktree files synced, others not",

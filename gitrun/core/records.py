@@ -119,7 +119,13 @@ class Action:
         return out
 
     def intent_digest(self) -> str:
-        return digest(self.intent())
+        """The digest of :meth:`intent`, computed once per action: it is frozen, so its
+        fields (all immutable values) never change, and a step asks four times."""
+        found: str | None = self.__dict__.get("_intent_digest")
+        if found is None:
+            found = digest(self.intent())
+            object.__setattr__(self, "_intent_digest", found)
+        return found
 
     def summary(self) -> str:
         if self.kind == "apply_patch":

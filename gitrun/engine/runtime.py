@@ -158,8 +158,9 @@ class Runtime:
         if isinstance(decision, Finish):
             self.apply(m.Finished(time.time()))
             return
+        tree = self.env.head().tree  # one read for the gate's check and its risk
         try:
-            action = self.gate.check(decision, self.env.head().tree, s.budgets, self._segment_start)
+            action = self.gate.check(decision, tree, s.budgets, self._segment_start)
         except GateRejected as exc:
             last = not exc.rule.startswith("budget-") and self.agent.is_last(s.cursor)
             self.apply(
@@ -167,7 +168,7 @@ class Runtime:
             )
             return
         pre = Precondition(obs.instance_id, obs.head, obs.tree)
-        risk = self.gate.risk(action, self.env.head().tree)
+        risk = self.gate.risk(action, tree)
         key = self.agent.proposal_key() or new_key()  # a session client's own key
         self.apply(m.Proposed(action, key, action.intent_digest(), risk, pre, time.time()))
         faults.point("after_intent_checkpoint")

@@ -43,6 +43,10 @@ from gitrun.core.errors import StorageFailed
 
 STAGE_DIR = "gitrun/stage"
 STAGE_PRIORITY = 100  # above the packed (2) and loose (1) backends: new objects land here
+# zlib level of the staged (then published) loose objects: git's own default for loose
+# objects (core.looseCompression = 1, best speed); libgit2's default (6) costs about twice
+# the CPU on a step's few kilobytes. Object ids do not depend on it.
+LOOSE_COMPRESSION = 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syncfs = getattr(_libc, "syncfs", None)
@@ -50,17 +54,18 @@ _watched: dict[int, int] = {}  # st_dev -> a descriptor kept open, so syncfs rep
 _stages: dict[Path, Path] = {}  # common dir -> its stage
 
 
-def watch(path: Path) -> None:
+def watch(path: Path) -> int:
     """Keep a descriptor on ``path``'s filesystem: syncfs reports errors seen since then."""
     dev = os.stat(path).st_dev
-    if dev not in _watched:
-        _watched[dev] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = _watched.get(dev)
+    if fd is None:
+        fd = _watched[dev] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    return fd
 
 
 def sync_filesystem(path: Path) -> None:
     """Everything written to ``path``'s filesystem is durable when this returns."""
-    watch(path)
-    fd = _watched[os.stat(path).st_dev]
+    fd = watch(path)  # the filesystem ``path`` is on now (one stat, every time)
     if _syncfs is None:  # not Linux: sync(2) flushes every filesystem
         os.sync()
         return
@@ -79,7 +84,8 @@ def attach_stage(repo: pygit2.Repository, cdir: Path) -> None:
         stage = cdir / STAGE_DIR
         stage.mkdir(parents=True, exist_ok=True)
         _stages[cdir] = stage
-    repo.odb.add_backend(pygit2.OdbBackendLoose(str(stage), -1, False), STAGE_PRIORITY)
+    backend = pygit2.OdbBackendLoose(str(stage), LOOSE_COMPRESSION, False)
+    repo.odb.add_backend(backend, STAGE_PRIORITY)
 
 
 def staged_closure(
@@ -131,16 +137,16 @@ def barrier(repo: pygit2.Repository, cdir: Path, new: pygit2.Oid, old: pygit2.Oi
     sync_filesystem(cdir)
     if not objects:
         return
-    stage = _stages.get(cdir, cdir / STAGE_DIR)
+    stage, published = str(_stages.get(cdir, cdir / STAGE_DIR)), f"{cdir}/objects"
     for hexid in objects:
         fan, name = hexid[:2], hexid[2:]
-        target = cdir / "objects" / fan
+        source, target = f"{stage}/{fan}/{name}", f"{published}/{fan}/{name}"
         try:
-            os.rename(stage / fan / name, target / name)
+            os.rename(source, target)
         except FileNotFoundError:
-            if (stage / fan / name).exists():  # the fan-out directory is new
-                target.mkdir(exist_ok=True)
-                os.rename(stage / fan / name, target / name)
+            if os.path.exists(source):  # the fan-out directory is new
+                Path(published, fan).mkdir(exist_ok=True)
+                os.rename(source, target)
             # else another writer published it at this moment: it is in objects/ now
     sync_filesystem(cdir)
 

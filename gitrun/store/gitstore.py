@@ -30,7 +30,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,20 +49,26 @@ STALE_LOCK_GRACE_SECONDS = 1.0
 LOCK_TIMEOUT_SECONDS = 30.0
 
 _configured = False
-# The largest tree libgit2 keeps parsed in its object cache: a 10,000-entry directory.
-WIDE_TREE_CACHE_LIMIT = 1 << 20
+
+# libgit2 keeps parsed objects up to these sizes in its (bounded) object cache, keyed by
+# object id. Its defaults (4 KiB commits and trees, no blobs) leave a checkpoint commit
+# (~6.5 KB) and the lease blob to be re-read, inflated and re-hashed several times a step,
+# and a wide directory's tree (a 1,000-entry one is ~40 KB; 1 MiB holds ~25,000 entries)
+# at every lookup through it.
+# A cached object is the one its id names (ids are hashes; libgit2 verifies them on read),
+# so a file planted or changed on disk cannot make the cache answer stale content.
+CACHE_LIMITS = {ObjectType.COMMIT: 64 * 1024, ObjectType.TREE: 1 << 20, ObjectType.BLOB: 4096}
 
 
 def configure_git() -> None:
     """libgit2's per-object fsync off (a step's objects are staged and made durable
-    together by :mod:`gitrun.store.durable`); must run before any Repository opens."""
+    together by :mod:`gitrun.store.durable`) and its object cache sized for gitrun's
+    records; must run before any Repository opens."""
     global _configured  # noqa: PLW0603 - a process-wide libgit2 option, set once
     if not _configured:
         pygit2.option(Option.ENABLE_FSYNC_GITDIR, False)
-        # libgit2 caches no tree over 4 KB (about 100 entries): every lookup through a wide
-        # directory re-read and re-inflated it, several times a step. Objects are
-        # immutable by their id, so a cached one is never stale.
-        pygit2.settings.cache_object_limit(ObjectType.TREE, WIDE_TREE_CACHE_LIMIT)
+        for kind, limit in CACHE_LIMITS.items():
+            pygit2.settings.cache_object_limit(kind, limit)
         _configured = True
 
 
@@ -129,11 +135,11 @@ class Guard:
 
 def _lock_path(cdir: Path, refname: str) -> Path:
     digest = hashlib.sha256(refname.encode()).hexdigest()[:32]
-    return cdir / "gitrun" / "locks" / f"{digest}.flock"
+    return Path(f"{cdir}/gitrun/locks/{digest}.flock")
 
 
 def _ref_lock_file(cdir: Path, refname: str) -> Path:
-    return cdir / (refname + ".lock")
+    return Path(f"{cdir}/{refname}.lock")
 
 
 def _clear_stale_lock(cdir: Path, refname: str) -> None:
@@ -164,15 +170,20 @@ def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]
     with ExitStack() as stack:
         for name in sorted(set(refnames)):
             path = _lock_path(cdir, name)
-            path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                stack.enter_context(
-                    flock(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
-                )
+                try:
+                    stack.enter_context(_ref_flock(path, name))
+                except FileNotFoundError:  # the locks directory is new (or was removed)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    stack.enter_context(_ref_flock(path, name))
             except LockBusy as exc:
                 raise busy_error(name, exc, LOCK_TIMEOUT_SECONDS) from exc
             _clear_stale_lock(cdir, name)
         yield
+
+
+def _ref_flock(path: Path, name: str) -> AbstractContextManager[None]:
+    return flock(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
 
 
 def update_ref(
@@ -186,7 +197,8 @@ def update_ref(
     what: str = "",
     crash_prefix: str = "",
     cache: bool = False,
-) -> None:
+    follow: str = "",
+) -> bool:
     """Compare-and-swap ``name`` from ``expected`` to ``new`` (None = absent/delete).
 
     Every guard ref is re-read under its OS lock and its check called with its value;
@@ -195,23 +207,30 @@ def update_ref(
     A ``cache`` ref (a receipt index entry) skips the final sync: its bytes are durable
     before its rename, and the next move's barrier makes the rename durable (a power cut
     may lose the newest entry, never tear it; lookups rebuild it from the history).
+
+    ``follow`` names such a cache ref to point at ``new`` too, riding this move's final
+    sync instead of a barrier of its own: its lock's bytes are written after the commit
+    point and made durable by that sync, and it is renamed only once the move is durable
+    (so it never names a commit the durable ref does not). False when the follower's
+    lock was taken by someone else: nothing was written for it, the caller moves it alone.
     """
-    names = [name, *(g.name for g in guards)]
+    names = [name, *(g.name for g in guards), *([follow] if follow else [])]
     with os_locks(repo, names):
         for attempt in range(50):
             try:
                 if new is None:
                     _delete(repo, name, expected, guards, what, crash_prefix)
-                else:
-                    move = _Move(name, expected, new, message, what, crash_prefix, cache)
-                    _swap(repo, move, guards)
+                    return True
+                move = _Move(name, expected, new, message, what, crash_prefix, cache, follow)
+                _swap(repo, move, guards)
             except (pygit2.GitError, _LockTaken) as exc:
                 # A foreign process holds a ref lock for a moment: retry with jitter.
                 if attempt == 49:
                     raise RefLocked(name, f"could not lock {name}: {exc}") from exc
                 time.sleep(random.uniform(0.005, 0.03))  # noqa: S311 - jitter, not crypto
                 continue
-            return
+            return _finish(repo, move)  # outside the retries: the move has happened
+    return True  # not reached: the last attempt returns or raises
 
 
 class _LockTaken(Exception):
@@ -243,21 +262,27 @@ class _Move:
     what: str
     crash_prefix: str
     cache: bool
+    follow: str = ""
 
 
 def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> None:
     """Take ``<ref>.lock`` (git's own lock protocol), compare, write the new value,
-    barrier (objects and lock durable), reflog line, rename (the commit point), sync."""
+    barrier (objects and lock durable), reflog line, rename (the commit point); the
+    final sync follows in :func:`_finish`."""
     cdir, point = common_dir(repo), move.crash_prefix
-    lock = _take_lock(cdir, move.name)
-    if lock is None:
+    lock = _ref_lock_file(cdir, move.name)
+    fd = _take_lock(lock)
+    if fd is None:
         raise _LockTaken(f"{move.name}.lock exists")
     moved = False
     try:
-        if point:
-            faults.point(f"{point}_locked")
-        actual = _compare(repo, move.name, move.expected, guards, move.what)
-        _write_lock(lock, move.new)
+        try:
+            if point:
+                faults.point(f"{point}_locked")
+            actual = _compare(repo, move.name, move.expected, guards, move.what)
+            os.write(fd, f"{move.new}\n".encode())
+        finally:
+            os.close(fd)
         durable.barrier(repo, cdir, move.new, actual)
         if point:
             faults.point(f"{point}_synced")
@@ -271,27 +296,69 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> None
             lock.unlink(missing_ok=True)  # nothing moved: release the ref
     if point:
         faults.point(f"{point}_moved")
+
+
+def _finish(repo: pygit2.Repository, move: _Move) -> bool:
+    """After the commit point: the follower's lock written, the final sync, then the
+    follower's rename. False when its lock could not be taken (nothing written for it)."""
+    cdir = common_dir(repo)
+    follower = _lock_follower(repo, cdir, move.follow, move.new) if move.follow else None
     if not move.cache:
         durable.sync_filesystem(cdir)  # the move is durable before anyone is told of it
-
-
-def _take_lock(cdir: Path, name: str) -> Path | None:
-    """Create ``<ref>.lock`` exclusively, as git and libgit2 do; None when it exists."""
-    lock = _ref_lock_file(cdir, name)
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    if follower is None:
+        return not move.follow
+    lock, old = follower
+    if old == move.new:
+        return True
     try:
-        os.close(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+        faults.point("receipt_index_locked")
+        reflog.append(repo, cdir, move.follow, old, move.new, "gitrun receipt index")
+        os.rename(lock, cdir / move.follow)  # no sync of its own: a cache ref (see above)
+    except BaseException:
+        lock.unlink(missing_ok=True)
+        raise
+    return True
+
+
+def _lock_follower(
+    repo: pygit2.Repository, cdir: Path, name: str, new: pygit2.Oid
+) -> tuple[Path, pygit2.Oid | None] | None:
+    """Take the follower's ``.lock``, write ``new`` in it (the move's final sync makes it
+    durable): (the lock, the follower's value). None when that fails (taken, unreadable):
+    nothing is left, and the caller moves the follower on its own, as before."""
+    lock = _ref_lock_file(cdir, name)
+    try:
+        fd = _take_lock(lock)
+    except OSError:
+        return None
+    if fd is None:
+        return None
+    try:
+        old = read_ref(repo, name)
+        if old != new:
+            os.write(fd, f"{new}\n".encode())
+    except (pygit2.GitError, OSError, Refused):
+        os.close(fd)
+        lock.unlink(missing_ok=True)
+        return None
+    os.close(fd)
+    if old == new:
+        lock.unlink()
+    return lock, old
+
+
+def _take_lock(lock: Path) -> int | None:
+    """Create ``<ref>.lock`` exclusively, as git and libgit2 do, and return its open
+    descriptor (the new value is written through it); None when it exists."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        try:
+            return os.open(lock, flags, 0o644)
+        except FileNotFoundError:  # the ref's directory is new
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(lock, flags, 0o644)
     except FileExistsError:
         return None
-    return lock
-
-
-def _write_lock(lock: Path, oid: pygit2.Oid) -> None:
-    fd = os.open(lock, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, f"{oid}\n".encode())
-    finally:
-        os.close(fd)
 
 
 def _delete(

@@ -70,11 +70,25 @@ def read_lease(repo: pygit2.Repository, run_id: str) -> tuple[Lease | None, pygi
     return _decode(repo, oid), oid
 
 
+_decoded: dict[tuple[str, pygit2.Oid], Lease] = {}  # (repository, blob id) -> its lease
+_DECODED_MAX = 64
+
+
 def _decode(repo: pygit2.Repository, oid: pygit2.Oid) -> Lease:
+    """The lease the blob ``oid`` holds. A step checks the lease three times (each after
+    reading the ref afresh); the blob's bytes are fixed by its id, so its decoding is
+    kept per repository and id: a rewritten ref names another blob, decoded anew."""
+    found = _decoded.get((repo.path, oid))
+    if found is not None:
+        return found
     try:
-        return decode(Lease, json.loads(gitstore.read_blob(repo, oid)))
+        lease = decode(Lease, json.loads(gitstore.read_blob(repo, oid)))
     except (ValueError, DecodeError) as exc:
         raise LeaseUnreadable(str(oid), str(exc)) from exc
+    if len(_decoded) >= _DECODED_MAX:
+        _decoded.clear()
+    _decoded[(repo.path, oid)] = lease
+    return lease
 
 
 def _until(expires_at: float) -> str:

@@ -190,7 +190,7 @@ class GitReceiptLog:
         receipt, new = self._receipt_to_append(write, expected, fence)
         if not new:
             return Appended(receipt, replayed=True)  # the key has it already: nothing written
-        gitstore.update_ref(
+        indexed = gitstore.update_ref(
             self.repo,
             self.branch,
             pygit2.Oid(hex=expected),
@@ -199,8 +199,10 @@ class GitReceiptLog:
             message=f"gitrun write {receipt.key}",
             what="branch",
             crash_prefix="write_ref",
+            follow=index_ref(self.run_id, receipt.key),  # rides the branch move's last sync
         )
-        self.write_index(receipt.key, write)
+        if not indexed:  # its lock was held by another process: the entry on its own
+            self.write_index(receipt.key, write)
         return Appended(receipt, replayed=False)
 
     def _receipt_to_append(

@@ -63,8 +63,12 @@ def append(
     text = " ".join(message.split())
     before = _ZERO if old is None else str(old)
     line = f"{before} {new} {name} <{email}> {int(time.time())} {zone}\t{text}\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except FileNotFoundError:  # the ref's first reflog line in a new directory
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, flags, 0o666)
     try:
         os.write(fd, line.encode())
     finally:

@@ -28,7 +28,7 @@ from pathlib import Path
 from gitrun.core import faults
 from gitrun.core.errors import CheckpointRejected, GitrunError, RefLocked
 from gitrun.store import gitstore
-from gitrun.store.atomicfile import atomic_file
+from gitrun.store.atomicfile import atomic_file, read_bytes
 from gitrun.store.keys import Keyring
 
 DOMAIN = b"gitrun-witness/1\n"
@@ -101,7 +101,7 @@ class Witness:
         """The witness as stored, None when there is no file (caller holds the lock)."""
         path = self.path(run_id)
         try:
-            raw = path.read_bytes()
+            raw = read_bytes(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
