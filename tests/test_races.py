@@ -25,9 +25,10 @@ import spawn
 from conftest import SANDBOXES, Gitrun, git, snapshot
 from helpers import PAUSING_WORKER, one_line
 
-from gitrun.app import service
+from gitrun.app import opening, service
 from gitrun.app.workspace import Workspace
 from gitrun.core.errors import Exit
+from gitrun.core.records import DONE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,6 +207,33 @@ def test_a_stale_worker_woken_after_a_takeover_of_its_setup_exits_6_and_changes_
     assert len(write_keys(gitrun, "r")) == 1
 
 
+def test_a_resume_that_read_no_checkpoint_ref_just_before_the_first_was_written_resumes_it(
+    gitrun: Gitrun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The run's first checkpoint (ref, then witness) is written, its setup mark not yet.
+    killed = gitrun(
+        "run", str(FIX_MEDIAN), "--run-id", "r", GITRUN_CRASH_AT="checkpoint_witness_written"
+    )
+    assert killed.code == -signal.SIGKILL, killed.err
+    # A resume that read the refs just before its owner wrote them, and the witness after:
+    # the interleaving, made certain by answering the first look at the refs as then.
+    real, looks = opening.the_ref, list[str | None]()
+
+    def stale_first(opened: service.Opened) -> str | None:
+        looks.append(None if not looks else real(opened))
+        return looks[-1]
+
+    monkeypatch.setattr(service, "the_ref", stale_first)
+    for name, value in FAST.items():
+        monkeypatch.setenv(name, value)
+    state = service.resume("r", service.Options(Workspace(gitrun.home)))
+    assert state.phase == DONE, state.stop_reason
+    assert looks[0] is None
+    assert looks[1] is not None  # looked again before refusing: not a missing ref
+    verified(gitrun, "r")
+    assert len(write_keys(gitrun, "r")) == 1
+
+
 @pytest.mark.parametrize("point", ["setup_lease_taken", "setup_worktree_added"])
 def test_a_run_killed_during_setup_is_set_up_again_by_resume(gitrun: Gitrun, point: str) -> None:
     killed = gitrun("run", str(FIX_MEDIAN), "--run-id", "r", GITRUN_CRASH_AT=point)
@@ -348,6 +376,30 @@ def test_two_runs_registering_one_run_id_at_once_the_loser_names_the_winner_and_
     assert snapshot(gitrun.repo("fix-median")) == before
     again = gitrun("resume", "r", "-q", **FAST)
     assert again.code == Exit.DONE, again.err  # not agent-changed: the registry is B's
+
+
+def test_a_start_that_saw_no_run_and_then_finds_its_branch_made_by_another_reports_that_run(
+    gitrun: Gitrun, paused: Callable[..., tuple[subprocess.Popen[str], Path]]
+) -> None:
+    # A looked (no run r registered) and stopped; B started r and finished it, branch and
+    # all. A must see B's run as a later `gitrun run` of the same inputs would, never a
+    # branch of unknown origin ("pick another --run-id", the CI failure of two swebench
+    # commands on one run id under load).
+    a, go = paused(
+        "setup_unregistered",
+        *("run", str(FIX_MEDIAN), "--run-id", "r", "-q", "--worker-id", "worker-a"),
+    )
+    b = gitrun("run", str(FIX_MEDIAN), "--run-id", "r", "-q", "--worker-id", "worker-b", **FAST)
+    assert b.code == Exit.DONE, b.err
+    registry = (gitrun.home / "runs" / "r.json").read_bytes()
+    before = snapshot(gitrun.repo("fix-median"))
+
+    code, out, err = wake(a, go)
+    assert code == Exit.DONE, err
+    assert out == b.out  # B's result, reported again
+    assert (gitrun.home / "runs" / "r.json").read_bytes() == registry
+    assert snapshot(gitrun.repo("fix-median")) == before
+    assert len(write_keys(gitrun, "r")) == 1
 
 
 # -- 10.6: a stopped lock holder is named at once --------------------------------------------

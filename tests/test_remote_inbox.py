@@ -118,7 +118,11 @@ def test_a_consumed_approval_left_on_the_remote_is_refused_as_a_replayed_nonce(
     machines: Machines,
 ) -> None:
     m = machines
-    _approve(m, ttl="4s")
+    # Long enough for machine a to take it in on a loaded machine (4 s was not, in CI
+    # load), and waited out below from when it was made, not for a fixed time.
+    ttl = 10.0
+    _approve(m, ttl=f"{ttl:.0f}s")
+    expires_by = time.time() + ttl  # made before `approve` returned: it expires by then
     evidence = m.on_remote(INBOX)
     # Machine a takes the approval in and dies right after its checkpoint landed: the
     # evidence was never deleted from the remote inbox.
@@ -129,7 +133,7 @@ def test_a_consumed_approval_left_on_the_remote_is_refused_as_a_replayed_nonce(
     pending = held["pending"]
     assert isinstance(pending, dict)
     assert pending["approval"] is not None  # taken in and checkpointed before the kill
-    time.sleep(4.5)  # past the approval's expiry
+    time.sleep(max(0.0, expires_by + 0.5 - time.time()))  # past the approval's expiry
     expired = m.resume("c", "--takeover-after", "0")  # a's lease died with it
     assert expired.code == Exit.FROZEN, expired.err
     assert "approval_expired" in expired.err

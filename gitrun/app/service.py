@@ -93,12 +93,16 @@ def start(
     rid = check_run_id(run_id) if run_id else new_run_id(task.id)
     if ws.exists(rid):
         return _start_again(ws.load(rid), task, agent, recorded_spec, repo_path, opts)
+    faults.point("setup_unregistered")
     repo, base = _repo_and_base(task, opts, repo_path)
     site = remote_site(repo, opts.remote_for())
     if site is not None and remote_run.on_remote(site, rid):  # started on another machine
         record = remote_run.adopt(site, rid, task, opts)
         return _start_again(record, task, agent, recorded_spec, repo_path, opts)
     if gitstore.read_ref(repo, branch_ref(rid)) is not None:
+        if ws.exists(rid):  # another start of this run id registered it (and made its
+            # branch) since we looked: continue or report it, as if we had looked now
+            return _start_again(ws.load(rid), task, agent, recorded_spec, repo_path, opts)
         raise BadInput(
             f"branch gitrun/{rid} already exists in {repo.workdir}; pick another --run-id"
         )
@@ -291,9 +295,12 @@ def _restart_unstarted(
     opened: Opened, run_id: str, agent: ScriptAgent, opts: Options
 ) -> RunState | None:
     """A run without a checkpoint ref: restart its setup, unless the run says it was set
-    up (its mark or its witness exists), in which case the ref is missing, not the setup."""
+    up (its mark or its witness exists), in which case the ref is missing, not the setup.
+    None when the ref is there after all (resume that instead)."""
     witness = opened.store.witness
     if opened.record.setup_done or (witness is not None and witness.path(run_id).exists()):
+        if the_ref(opened) is not None:  # its owner wrote the first checkpoint since we looked
+            return None
         raise starting.mark_missing(opened.repo, opened.record, opened.store.witnessed(run_id))
     return _restart_setup(opened, agent, opts)
 

@@ -24,6 +24,7 @@ DELAY_VAR = "GITRUN_DELAY_AT"
 
 # name -> the crash window it sits in (DESIGN.md §3), shown by `gitrun debug crash-points`.
 POINTS: dict[str, str] = {
+    "setup_unregistered": "setup: no run of this id registered when looked at, nothing written",
     "setup_before_register": "setup: inputs checked, the run not registered yet (run again)",
     "setup_lease_taken": "setup: registered and leased, no branch or worktree yet",
     "setup_worktree_added": "setup: branch and worktree made, no instance id yet",
