@@ -136,10 +136,11 @@ def test_a_whole_run_names_nothing_before_it_is_durable_and_ends_with_every_ref_
     assert disk.unsynced_refs() == []
 
 
-STORE_SCRIPT = textwrap.dedent(
+# What both store scripts start with: the repository opened as gitrun opens it, and
+# mark(name), an open of a path that cannot exist, which strace shows between the syncs.
+SCRIPT_PROLOGUE = textwrap.dedent(
     """
     import os, sys
-    import pygit2
     from gitrun.store import gitstore
     repo = gitstore.open_repo(sys.argv[1])
     parent = repo.head.target
@@ -148,6 +149,12 @@ STORE_SCRIPT = textwrap.dedent(
             os.close(os.open("/nonexistent-durable-mark/" + name, os.O_RDONLY))
         except OSError:
             pass
+    """
+)
+
+STORE_SCRIPT = SCRIPT_PROLOGUE + textwrap.dedent(
+    """
+    import pygit2
     mark("begin")
     # Five new objects (a blob, three trees, a commit), then the one ref move naming them.
     blob = repo.create_blob(b"deep " + os.urandom(8))
@@ -223,17 +230,8 @@ def test_a_killed_writer_leaves_its_unnamed_objects_staged_never_under_their_nam
     git(repo, "fsck", "--strict", "--no-dangling")  # the repository itself is whole
 
 
-FOLLOW_SCRIPT = textwrap.dedent(
+FOLLOW_SCRIPT = SCRIPT_PROLOGUE + textwrap.dedent(
     """
-    import os, sys
-    from gitrun.store import gitstore
-    repo = gitstore.open_repo(sys.argv[1])
-    parent = repo.head.target
-    def mark(name):
-        try:
-            os.close(os.open("/nonexistent-durable-mark/" + name, os.O_RDONLY))
-        except OSError:
-            pass
     sig = __import__("pygit2").Signature("t", "t@invalid", 1, 0)
     blob = repo.create_blob(b"write " + os.urandom(8))
     tb = repo.TreeBuilder(repo[parent].tree); tb.insert("w.txt", blob, 0o100644)
