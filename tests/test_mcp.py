@@ -255,7 +255,7 @@ def test_a_ping_and_list_tools_answer_while_an_exec_runs(gitrun: Gitrun, tmp_pat
 
             async def slow() -> None:
                 result = body(
-                    await call(s, "exec", command="sleep 2", idempotency_key="busy-exec-1")
+                    await call(s, "exec", command="sleep 4", idempotency_key="busy-exec-1")
                 )
                 assert result["exit_code"] == 0, result
                 done.append(anyio.current_time())
@@ -263,11 +263,10 @@ def test_a_ping_and_list_tools_answer_while_an_exec_runs(gitrun: Gitrun, tmp_pat
             async with anyio.create_task_group() as tg:
                 tg.start_soon(slow)
                 await anyio.sleep(0.5)  # the exec is running now
-                start = anyio.current_time()
                 await s.send_ping()
                 names = {t.name for t in (await s.list_tools()).tools}
-                answered = anyio.current_time()
-                assert answered - start < 1.0, answered - start
+                # Order, not a latency bound: a loaded CI machine may be slow to answer,
+                # but an answer that waited for the exec would come after its 4 s.
                 assert not done, "the ping was answered only after the exec"
                 assert "exec" in names
                 seen = body(await call(s, "observe"))  # waits for the exec, then answers

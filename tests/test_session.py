@@ -566,9 +566,11 @@ def test_gitrun_killed_during_an_agents_exec_resumes_to_the_uninterrupted_tree(
 
 
 def test_the_session_keeps_its_lease_alive_while_the_agent_thinks(gitrun: Gitrun) -> None:
-    rpc = Rpc(gitrun, str(SANDBOXES / "fix-median"), "--run-id", "s-idle", "--lease-seconds", "1")
+    # A 2 s lease (renewed every third of it): a loaded machine may delay one renewal by
+    # a second without the test's claim changing.
+    rpc = Rpc(gitrun, str(SANDBOXES / "fix-median"), "--run-id", "s-idle", "--lease-seconds", "2")
     rpc.call("observe")
-    time.sleep(2.5)  # idle: two and a half leases
+    time.sleep(5.0)  # idle: two and a half leases
     other = gitrun("resume", "s-idle", "--worker-id", "intruder")
     assert other.code == 4, other.err  # the lease is still live: nobody takes the run over
     assert rpc.call("apply_patch", patch=FIX)["replayed"] is False
