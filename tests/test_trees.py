@@ -78,3 +78,17 @@ def test_a_file_that_replaces_a_directory_names_the_file_and_every_file_it_remov
     new = build(repo, gone, {"d": (b"3", trees.BLOB)})
     assert trees.changed_paths(old, new) == {"d", "d/a", "d/e/b"}
     assert trees.changed_paths(old, new) == libgit2_paths(old, new)
+
+
+def test_a_tree_thousands_of_levels_deep_is_walked_without_exhausting_the_stack(
+    repo: pygit2.Repository,
+) -> None:
+    """An agent can commit any tree; one 3,000 directories deep (past Python's recursion
+    limit) is walked, added and removed, like any other."""
+    deep = "/".join(["d"] * 3000) + "/f"
+    old = build(repo, None, {"top": (b"1", trees.BLOB)})
+    new = build(repo, old, {deep: (b"2", trees.BLOB)})
+    assert trees.changed_paths(old, new) == {deep}
+    assert trees.changed_paths(new, old) == {deep}
+    changed = build(repo, new, {deep: (b"3", trees.BLOB)})
+    assert trees.changed_paths(new, changed) == {deep}

@@ -7,6 +7,7 @@ import hashlib
 import os
 import stat
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pygit2
@@ -67,38 +68,63 @@ def blob_bytes(repo: pygit2.Repository, tree: pygit2.Tree, path: str) -> bytes |
     return data
 
 
+@dataclass
+class _Dir:
+    """One directory of :func:`tree_with_changes`: its own entries' changes, its changed
+    subdirectories, the tree it starts from, and (once written) its new tree."""
+
+    base: pygit2.Tree | None
+    here: dict[str, Change] = field(default_factory=dict)
+    below: dict[str, _Dir] = field(default_factory=dict)
+    oid: pygit2.Oid | None = None
+
+
 def tree_with_changes(
     repo: pygit2.Repository, base: pygit2.Tree | None, changes: Mapping[str, Change]
 ) -> pygit2.Oid:
-    """Write the tree that is ``base`` with ``changes`` applied; only touched dirs rebuilt."""
-    here: dict[str, Change] = {}
-    below: dict[str, dict[str, Change]] = {}
+    """Write the tree that is ``base`` with ``changes`` applied; only touched dirs rebuilt.
+    Iterative (deepest directories first), so no path depth exhausts the stack."""
+    root = _Dir(base)
+    order = [root]  # every directory after its parent
     for path, change in changes.items():
-        head, sep, rest = path.partition("/")
-        if sep:
-            below.setdefault(head, {})[rest] = change
-        else:
-            here[head] = change
-    builder = repo.TreeBuilder(base) if base is not None else repo.TreeBuilder()
-    for name, change in here.items():
+        *dirs, name = path.split("/")
+        node = root
+        for part in dirs:
+            child = node.below.get(part)
+            if child is None:
+                child = node.below[part] = _Dir(None)
+                order.append(child)
+            node = child
+        node.here[name] = change
+    for node in order:  # a directory's start: its parent's entry, unless that changes too
+        for name, child in node.below.items():
+            if name not in node.here and node.base is not None and name in node.base:
+                sub = node.base[name]
+                child.base = sub if isinstance(sub, pygit2.Tree) else None
+    for node in reversed(order):
+        node.oid = _write_dir(repo, node)
+    if root.oid is None:
+        raise TaskError("the tree was not written")
+    return root.oid
+
+
+def _write_dir(repo: pygit2.Repository, node: _Dir) -> pygit2.Oid:
+    builder = repo.TreeBuilder(node.base) if node.base is not None else repo.TreeBuilder()
+    for name, change in node.here.items():
         if change is None:
             if builder.get(name) is not None:
                 builder.remove(name)
         else:
             builder.insert(name, change[0], change[1])
-    for name, sub_changes in below.items():
-        existing = builder.get(name)
-        sub_base = None
-        if existing is not None:
-            obj = repo[existing.id]
-            sub_base = obj if isinstance(obj, pygit2.Tree) else None
-        sub_oid = tree_with_changes(repo, sub_base, sub_changes)
-        sub_tree = repo[sub_oid]
+    for name, child in node.below.items():
+        if child.oid is None:
+            raise TaskError(f"{name}: a subdirectory was not written before its parent")
+        sub_tree = repo[child.oid]
         if isinstance(sub_tree, pygit2.Tree) and len(sub_tree) == 0:
-            if existing is not None:
+            if builder.get(name) is not None:
                 builder.remove(name)
         else:
-            builder.insert(name, sub_oid, TREE)
+            builder.insert(name, child.oid, TREE)
     oid: pygit2.Oid = builder.write()
     return oid
 
@@ -107,15 +133,25 @@ def changed_paths(old: pygit2.Tree, new: pygit2.Tree) -> set[str]:
     """Every path a diff from ``old`` to ``new`` adds, removes or modifies (the set
     libgit2's tree diff names), found by descending only into subtrees whose ids differ:
     the cost is the width of the changed directories, not the repository's size
-    (libgit2's diff expands every subtree, equal or not: 10 ms a step at 100,000 files)."""
+    (libgit2's diff expands every subtree, equal or not: 10 ms a step at 100,000 files).
+    Iterative, so a hostile tree thousands of levels deep cannot exhaust the stack."""
     paths: set[str] = set()
-    _diff(old, new, "", paths)
+    pairs: list[tuple[pygit2.Tree, pygit2.Tree, str]] = [(old, new, "")]
+    while pairs:
+        a, b, prefix = pairs.pop()
+        if a.id != b.id:
+            _diff_level(a, b, prefix, pairs, paths)
     return paths
 
 
-def _diff(old: pygit2.Tree, new: pygit2.Tree, prefix: str, out: set[str]) -> None:
-    if old.id == new.id:
-        return
+def _diff_level(
+    old: pygit2.Tree,
+    new: pygit2.Tree,
+    prefix: str,
+    pairs: list[tuple[pygit2.Tree, pygit2.Tree, str]],
+    out: set[str],
+) -> None:
+    """One directory of :func:`changed_paths`: differing subtree pairs go on ``pairs``."""
     before = {e.name: e for e in old}
     for e in new:
         o = before.pop(e.name, None) if e.name is not None else None
@@ -128,7 +164,7 @@ def _diff(old: pygit2.Tree, new: pygit2.Tree, prefix: str, out: set[str]) -> Non
             continue
         path = f"{prefix}{e.name}"
         if isinstance(o, pygit2.Tree) and isinstance(e, pygit2.Tree):
-            _diff(o, e, f"{path}/", out)
+            pairs.append((o, e, f"{path}/"))
             continue
         if o is not None:
             _leaves(o, path, out)
@@ -139,11 +175,13 @@ def _diff(old: pygit2.Tree, new: pygit2.Tree, prefix: str, out: set[str]) -> Non
 
 def _leaves(obj: pygit2.Object, path: str, out: set[str]) -> None:
     """``path`` itself for a file (blob, link, submodule); every file under it for a tree."""
-    if isinstance(obj, pygit2.Tree):
-        for e in obj:
-            _leaves(e, f"{path}/{e.name}", out)
-    else:
-        out.add(path)
+    todo = [(obj, path)]
+    while todo:
+        item, where = todo.pop()
+        if isinstance(item, pygit2.Tree):
+            todo += [(e, f"{where}/{e.name}") for e in item]
+        else:
+            out.add(where)
 
 
 def rewind_changes(old: pygit2.Tree, new: pygit2.Tree) -> dict[str, Change]:
