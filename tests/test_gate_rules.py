@@ -138,6 +138,8 @@ CASES = [
     ("path-dotdot", write("src/../../x.py"), "'..'"),
     ("path-git-dir", write(".GIT/config"), ".git"),
     ("path-absolute", write("/etc/passwd"), "absolute"),
+    ("path-too-long", write("src/" + "d/" * 600 + "x.py"), "a path may be 1024"),
+    ("path-too-long", write("src/" + "n" * 256 + ".py"), "a name over 255"),
     ("missing-path", Action("delete_file", path="src/nope.py"), "src/nope.py"),
     ("malformed-action", Action("apply_patch", patch=""), "patch"),
     (

@@ -29,6 +29,10 @@ from gitrun.core.task import Policy, Task
 
 # path -> (mode, object id) of what a command or a rewind left there; None: removed
 Changes = Mapping[str, tuple[int, object] | None]
+# A path the worktree's file system can hold: checked out under the worktree it must fit
+# PATH_MAX (4,096 bytes) with room for the worktree's own path, and each name NAME_MAX.
+MAX_PATH_BYTES = 1024
+MAX_NAME_BYTES = 255
 
 
 class DiskView(Protocol):
@@ -150,6 +154,17 @@ def normalise_path(raw: str | None) -> str:
         raise GateRejected("path-empty", f"{raw} names the repository root, not a file")
     if any(part.lower() == ".git" for part in path.split("/")):
         raise GateRejected("path-git-dir", f"{raw} is inside .git")
+    size = len(path.encode("utf-8", "surrogateescape"))
+    if size > MAX_PATH_BYTES:
+        raise GateRejected(
+            "path-too-long", f"{path[:60]}... is {size} bytes; a path may be {MAX_PATH_BYTES}"
+        )
+    if any(
+        len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES for part in path.split("/")
+    ):
+        raise GateRejected(
+            "path-too-long", f"{path[:60]}... has a name over {MAX_NAME_BYTES} bytes"
+        )
     return path
 
 
