@@ -38,7 +38,7 @@ from gitrun.core.codec import decode, digest, encode
 from gitrun.core.errors import ApprovalRefused, Exit, GateRejected
 from gitrun.core.records import AWAITING_APPROVAL, DONE, NEEDS_REVIEW, RUNNING, Action, new_key
 from gitrun.engine.approvals import Approvals, approval_claims
-from gitrun.store import gitstore, trees
+from gitrun.store import gitstore, reflocks, trees
 from gitrun.store.evidence import APPROVAL_DOMAIN, Signed, load_trust_roots, sign
 from gitrun.store.lease import LeaseManager
 
@@ -429,7 +429,7 @@ def test_the_adapter_itself_refuses_to_commit_after_the_approval_expired(ws: Cop
 
         # Valid when the write starts, expired by the time the branch lock is ours: the
         # check inside the ref transaction refuses the commit point itself.
-        lock = gitstore._lock_path(gitstore.common_dir(env.repo), env.branch)
+        lock = reflocks.lock_path(gitstore.common_dir(env.repo), env.branch)
         lock.parent.mkdir(parents=True, exist_ok=True)
         with subprocess.Popen(
             [sys.executable, "-c", HOLD_LOCK, str(lock), "2.5"], stdout=subprocess.PIPE, text=True

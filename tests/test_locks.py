@@ -20,7 +20,7 @@ import pytest
 from conftest import SANDBOXES, Gitrun, git
 
 from gitrun.core.errors import GitrunError
-from gitrun.store import gitstore
+from gitrun.store import gitstore, reflocks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -182,9 +182,9 @@ def test_a_lock_held_by_a_live_process_is_not_touched_and_the_update_waits_for_i
     helper = hold(holder, repo_path, ref)
     lockfile = repo_path / ".git" / (ref + ".lock")
     before = lock_state(lockfile)
-    time.sleep(gitstore.STALE_LOCK_GRACE_SECONDS + 0.2)  # old enough to pass for stale by age
+    time.sleep(reflocks.STALE_LOCK_GRACE_SECONDS + 0.2)  # old enough to pass for stale by age
 
-    monkeypatch.setattr(gitstore, "LOCK_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(reflocks, "LOCK_TIMEOUT_SECONDS", 1.0)
     repo = gitstore.open_repo(repo_path)
     import pygit2
 
@@ -223,7 +223,7 @@ def test_a_resume_waits_for_a_live_lock_holder_and_finishes_once_it_is_gone(
 
     resume = gitrun.popen("resume", RUN, **FAST)
     try:
-        time.sleep(gitstore.STALE_LOCK_GRACE_SECONDS * 2 + 1)
+        time.sleep(reflocks.STALE_LOCK_GRACE_SECONDS * 2 + 1)
         assert resume.poll() is None, resume.communicate()
         assert lock_state(lockfile) == before, "a lock a live process holds was touched"
         assert git(repo, "rev-parse", branch).strip() == tip

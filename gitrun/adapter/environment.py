@@ -39,7 +39,7 @@ from gitrun.core.errors import (
     Refused,
 )
 from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
-from gitrun.store import gitstore, trees
+from gitrun.store import durable, gitstore, trees
 from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
 from gitrun.store.receipts import GitReceiptLog
@@ -110,6 +110,9 @@ class Environment(WorktreeFiles):
             # repository at once race on it (AlreadyExistsError). Make it first.
             (gitstore.common_dir(repo) / "worktrees").mkdir(exist_ok=True)
             repo.add_worktree(f"gitrun-{run_id}", str(worktree), repo.references[branch])
+            # libgit2 syncs none of the worktree's admin files or checked-out files, and
+            # ref moves no longer sync the filesystem (the journal): make them durable now.
+            durable.sync_filesystem(gitstore.common_dir(repo))
             faults.point("setup_worktree_added")
             env = cls(repo, run_id, worktree, task_label, site=site)
             gitdir = Path(env.wt.path)
@@ -332,15 +335,16 @@ class Environment(WorktreeFiles):
         """The worktree's files change only under the lease's OS lock (lease.fenced)."""
         return fenced(self.repo, self.run_id, fence)
 
-    def check_writable(self, action: Action, tree: pygit2.Tree) -> None:
+    def check_writable(self, action: Action, tree: pygit2.Tree, skip: Collection[str] = ()) -> None:
         """Refuse, writing nothing, when the disk would stop ``action`` from executing
-        cleanly on ``tree``: a link or file in its way, or edits on its paths. A refusal
-        the gate makes (the action is abandoned when it executes) is not checked here."""
+        cleanly on ``tree``: a link or file in its way, or edits on its paths (but those
+        in ``skip``, which resume puts back first). A refusal the gate makes (the action
+        is abandoned when it executes) is not checked here."""
         try:
             changes = self.plan_changes(action, tree, write=False)
         except GateRejected:
             return
-        self._check_clean(tree, changes)
+        self._check_clean(tree, {p: c for p, c in changes.items() if p not in skip})
 
     def plan_changes(
         self, action: Action, tree: pygit2.Tree, *, write: bool = True

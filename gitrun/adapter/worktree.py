@@ -20,7 +20,7 @@ from pygit2.enums import FileMode, FileStatus
 from gitrun.adapter import safefs
 from gitrun.core import faults
 from gitrun.core.errors import EnvironmentDrift
-from gitrun.store import gitstore, trees
+from gitrun.store import gitstore, journal_recovery, trees
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence
 
@@ -32,6 +32,7 @@ class WorktreeFiles(ABC):
 
     repo: pygit2.Repository
     worktree: Path
+    branch: str
 
     @property
     @abstractmethod
@@ -230,3 +231,44 @@ class WorktreeFiles(ABC):
             )
         self.sync_files(parent.tree, head.tree, changes, fence)
         return True
+
+    # -- after a power cut -----------------------------------------------------------
+
+    def power_loss_paths(self) -> set[str]:
+        """The paths whose worktree files a power cut may have taken: those the run's
+        branch changed since the value it had before the writes the journal put back
+        (:func:`gitrun.store.journal_recovery.recovered_branches`). Empty without a recovery."""
+        since = journal_recovery.recovered_branches(gitstore.common_dir(self.repo))
+        if self.branch not in since:
+            return set()
+        before = since[self.branch]
+        commit = self.repo.get(before) if before else None
+        base = commit.tree if isinstance(commit, pygit2.Commit) else self._empty_tree()
+        return trees.changed_paths(base, self.head().tree)
+
+    def _empty_tree(self) -> pygit2.Tree:
+        tree = self.repo[self.repo.TreeBuilder().write()]
+        if not isinstance(tree, pygit2.Tree):
+            raise EnvironmentDrift("not-a-tree", "the empty tree is not a tree")
+        return tree
+
+    def repair_power_loss(self, paths: set[str], fence: Fence) -> None:
+        """Put gitrun's own writes back on disk after a power cut: each of ``paths`` to
+        HEAD's entry, and the index rebuilt from HEAD (its unsynced writes may be torn),
+        as the lease holder; then the recovery's note for this branch is dropped."""
+        head = self.head()
+        changes: dict[str, trees.Change] = {}
+        for path in paths:
+            if self.matches(head.tree, path):
+                continue
+            obj = trees.entry(head.tree, path)
+            changes[path] = (
+                None if obj is None else (obj.id, trees.entry_mode(head.tree, path) or 0)
+            )
+        if changes:
+            self.sync_files(head.tree, head.tree, changes, fence)
+        (Path(self.wt.path) / INDEX_BASE_FILE).unlink(missing_ok=True)
+        (Path(self.wt.path) / "index").unlink(missing_ok=True)
+        self.wt.index.read(force=True)  # forget what libgit2 had read of it
+        self.sync_index()
+        journal_recovery.clear_recovered(gitstore.common_dir(self.repo), self.branch)

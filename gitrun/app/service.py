@@ -281,7 +281,7 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     approvals = opts.approvals
     approvals.require_roots(state)
     if state.phase in TERMINAL:
-        return _finished(opened, state)
+        return _finished(opened, state, opts)
     lease = lease_store(opened.repo, record.run_id, opts, opened.site)
     _check_resumable(opened, ref, stored, lease, agent, opts)
     lease.acquire(state.generation, opts.takeover_after)
@@ -305,12 +305,22 @@ def _restart_unstarted(
     return _restart_setup(opened, agent, opts)
 
 
-def _finished(opened: Opened, state: RunState) -> RunState:
-    """A finished run reports its result again, after tidying what a kill left behind."""
+def _finished(opened: Opened, state: RunState, opts: Options) -> RunState:
+    """A finished run reports its result again, after tidying what a kill left behind
+    (and, after a power cut, putting its last writes back in its worktree)."""
     # e.g. the lease's, if the finished run died releasing it
     starting.clear_stale_locks(opened.repo, opened.record.run_id)
-    if opened.env.worktree.exists():
-        opened.env.sync_index()  # killed after its last checkpoint, before the index sync
+    if not opened.env.worktree.exists():
+        return state
+    lost = opened.env.power_loss_paths()
+    if lost:
+        lease = lease_store(opened.repo, opened.record.run_id, opts, opened.site)
+        lease.acquire(state.generation, opts.takeover_after)
+        try:
+            opened.env.repair_power_loss(lost, lease.fence)
+        finally:
+            _release(lease)
+    opened.env.sync_index()  # killed after its last checkpoint, before the index sync
     return state
 
 

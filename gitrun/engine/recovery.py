@@ -80,6 +80,12 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
         raise _classify_drift(env.repo, explained, tip.id)
     check_cached_receipt(rt, repair=apply)
     skip = _own_leftovers(rt, apply=apply)
+    lost = env.power_loss_paths()  # gitrun's own writes a power cut may have taken
+    if lost and apply:
+        env.repair_power_loss(lost, rt.lease.fence)
+        rt.say(f"after a power cut: put back {len(lost)} path(s) the journal recovered")
+    elif lost:
+        skip = [*skip, *sorted(lost)]
     if str(tip.id) == s.env.head:
         return _at_checkpointed_head(rt, tip, skip, apply=apply)
     if s.pending is not None and _is_pending_write(rt, tip):
@@ -149,7 +155,7 @@ def _at_checkpointed_head(rt: Runtime, tip: pygit2.Commit, skip: list[str], *, a
     _require_exact(rt, s, skip)
     if s.pending is None:
         return "exact"
-    rt.env.check_writable(s.pending.action, tip.tree)  # a link in its way: refuse now
+    rt.env.check_writable(s.pending.action, tip.tree, skip)  # a link in its way: refuse now
     return "intent-without-write"
 
 

@@ -1,5 +1,10 @@
 """Durability barriers: a step's git objects become durable together, before a ref names them.
 
+Most moves no longer take this barrier: one record in the repository's journal makes
+their objects and value durable with one ``fdatasync`` (:mod:`gitrun.store.journal`).
+The barrier remains for a move too large for the journal and where the journal cannot be
+used (no boot id, a read-only journal); the stage below serves both.
+
 libgit2's own fsync costs two syncs per loose object (the file, then its directory) and
 a write step makes five objects. Instead, every :class:`pygit2.Repository` gitrun opens
 writes its new objects unsynced into the repository's *stage* (``<common dir>/gitrun/
@@ -129,14 +134,25 @@ def _children(
     return []
 
 
-def barrier(repo: pygit2.Repository, cdir: Path, new: pygit2.Oid, old: pygit2.Oid | None) -> None:
-    """Steps 1 and 2 of the protocol above: everything written so far durable, then every
-    staged object ``new`` reaches durable under its real name. The caller then moves its
-    ref (step 3)."""
-    objects = staged_closure(repo, cdir, new, old)
-    sync_filesystem(cdir)
-    if not objects:
-        return
+def read_staged(cdir: Path, objects: list[str]) -> list[tuple[bytes, bytes]]:
+    """Each staged object's raw id and loose-file bytes, for the journal."""
+    stage = str(_stages.get(cdir, cdir / STAGE_DIR))
+    out = []
+    for hexid in objects:
+        fd = os.open(f"{stage}/{hexid[:2]}/{hexid[2:]}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            chunks = []
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        out.append((bytes.fromhex(hexid), b"".join(chunks)))
+    return out
+
+
+def publish(cdir: Path, objects: list[str]) -> None:
+    """Rename staged objects to their real names in ``objects/`` (no sync: the caller
+    made their bytes durable first, by the journal or by a ``syncfs``)."""
     stage, published = str(_stages.get(cdir, cdir / STAGE_DIR)), f"{cdir}/objects"
     for hexid in objects:
         fan, name = hexid[:2], hexid[2:]
@@ -148,7 +164,25 @@ def barrier(repo: pygit2.Repository, cdir: Path, new: pygit2.Oid, old: pygit2.Oi
                 Path(published, fan).mkdir(exist_ok=True)
                 os.rename(source, target)
             # else another writer published it at this moment: it is in objects/ now
+
+
+def barrier(repo: pygit2.Repository, cdir: Path, objects: list[str]) -> None:
+    """Steps 1 and 2 of the protocol above for the staged ``objects`` a move names:
+    everything written so far durable, then every one of them durable under its real
+    name. The caller then moves its ref (step 3)."""
+    sync_filesystem(cdir)
+    if not objects:
+        return
+    publish(cdir, objects)
     sync_filesystem(cdir)
 
 
-__all__ = ["attach_stage", "barrier", "staged_closure", "sync_filesystem", "watch"]
+__all__ = [
+    "attach_stage",
+    "barrier",
+    "publish",
+    "read_staged",
+    "staged_closure",
+    "sync_filesystem",
+    "watch",
+]

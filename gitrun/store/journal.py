@@ -1,0 +1,382 @@
+"""The repository's write-ahead journal: one ``fdatasync`` makes a ref move durable.
+
+Every ref move gitrun makes (:func:`gitrun.store.gitstore.update_ref`) writes one
+*record* here before the move's commit point: the bytes of every new object the new value
+reaches (the raw loose-object files, as git would keep them) and the ref's new value.
+One ``pwrite`` and one ``fdatasync`` of this preallocated file make all of it durable;
+the objects are then renamed from the stage into ``objects/`` and the ref's ``.lock``
+over the ref, with no sync of their own: the kernel writes those names back in its own
+time, and until it has, the journal holds everything a power cut could take from them.
+
+- The file (``<common dir>/gitrun/journal``, ``SIZE`` bytes of zeros written once) starts
+  with a header block: a magic, an *epoch* and the *boot id* of the kernel that last
+  opened it. A record carries the epoch, a sequence number, its length and a CRC-32: the
+  journal is the longest run of records of the header's epoch with consecutive sequence
+  numbers and good checksums. A torn record (a kill or power cut mid-``pwrite``) ends it.
+- A power cut is a reboot: the boot id (``/proc/sys/kernel/random/boot_id``) changes.
+  The first gitrun process that opens the repository under a new boot id *recovers*
+  before anything reads a ref: every journaled object whose file is missing or does not
+  hash to its id is written again (each journaled object is hash-checked first), every
+  journaled ref is set to its last journaled value (a value naming a missing object is
+  left alone), branches whose value recovery changed are listed for their worktrees'
+  repair (:func:`recovered_branches`), then ``syncfs`` and a new epoch.
+- When a record does not fit, the journal *rotates*: ``syncfs`` (every name it covered is
+  durable now), then a new epoch in the header, and records start again at the top.
+- Appends, rotation and recovery hold the journal's ``flock``, and an append keeps it until
+  its move's renames are done: a rotation never starts between a record and the renames
+  it covers (their names would be durable neither in the journal nor on disk).
+- A move killed between its record and its rename left its ``.lock`` behind; the next
+  writer of that ref clears it and journals the ref's real value (:func:`pin`), so no
+  later recovery completes the dead move. Without a later writer a recovery may complete
+  it: the state is then the one a kill just after the rename leaves, a crash window the
+  step protocol already covers.
+
+The journal holds no key and decides nothing a ref could not: whoever can write it can
+write refs and objects directly (the checkpoint's HMAC and the witness judge those), and
+recovery takes from it only objects that hash to their names and well-formed ref names.
+A move too large for it (a multi-megabyte file), or a system without a boot id, takes the
+barrier of :mod:`gitrun.store.durable` instead (three ``syncfs`` per move).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import secrets
+import struct
+import threading
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gitrun.core.errors import StorageFailed
+from gitrun.store import durable
+
+JOURNAL_FILE = "gitrun/journal"
+RECOVERED_DIR = "gitrun/recovered"
+SIZE = int(os.environ.get("GITRUN_JOURNAL_BYTES", "") or 4 << 20)  # tests shrink it
+HEADER = 4096
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+TEST_BOOT_VAR = "GITRUN_TEST_BOOT_ID"  # the power-loss tests' reboot; see tests/test_journal.py
+_MAGIC = b"GITRUNJ1"
+_HEAD = struct.Struct("<8sQ36sI")  # magic, epoch, boot id, crc32
+_REC = struct.Struct("<IQQII")  # magic, epoch, seq, payload length, crc32
+_REC_MAGIC = 0x4A525447
+_ZERO = b"\0" * 20
+REF_NAME = re.compile(r"refs/[A-Za-z0-9._/@+-]{1,1000}")
+
+
+@dataclass(frozen=True)
+class RefEntry:
+    """A ref's new value (None: deleted), its value before, and its reflog message."""
+
+    name: str
+    new: bytes | None
+    old: bytes | None
+    message: str
+
+
+@dataclass
+class Tail:
+    epoch: int
+    seq: int
+    offset: int
+
+
+@dataclass
+class Replay:
+    objects: dict[bytes, bytes] = field(default_factory=dict)
+    refs: dict[str, RefEntry] = field(default_factory=dict)
+    first_old: dict[str, bytes | None] = field(default_factory=dict)
+
+
+_fds: dict[Path, int] = {}
+_sizes: dict[Path, int] = {}  # the journal file's size (its creator's SIZE)
+_tails: dict[Path, Tail] = {}
+_unusable: set[Path] = set()
+_boot: list[str] = []
+_thread_lock = threading.RLock()  # flock is per open file: threads of one process need this
+
+
+def boot_id() -> str:
+    """This kernel's boot id ('' when the system has none: the journal is not used)."""
+    if not _boot:
+        found = os.environ.get(TEST_BOOT_VAR, "")
+        if not found:
+            try:
+                with open(BOOT_ID_FILE, encoding="ascii") as f:
+                    found = f.read().strip()
+            except OSError:
+                found = ""
+        _boot.append(found[:36])
+    return _boot[0]
+
+
+def recover_if_needed(cdir: Path) -> None:
+    """At open, before any ref is read: recover a journal another boot left (a
+    repository without one has nothing to recover; it gets one at its first move)."""
+    if cdir in _fds or cdir in _unusable or not boot_id():
+        return
+    if os.path.lexists(cdir / JOURNAL_FILE):
+        usable(cdir)
+
+
+def usable(cdir: Path) -> bool:
+    """The journal of ``cdir`` is open (created and recovered if need be)."""
+    if cdir in _fds:
+        return True
+    if cdir in _unusable or not boot_id():
+        return False
+    try:
+        fd = _open(cdir)
+        _sizes[cdir] = os.fstat(fd).st_size
+        _fds[cdir] = fd
+    except OSError:
+        _unusable.add(cdir)  # read-only or full: the barrier still makes moves durable
+        return False
+    with _locked(cdir) as fd:
+        _check_boot(cdir, fd)
+    return True
+
+
+def _open(cdir: Path) -> int:
+    path = cdir / JOURNAL_FILE
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        return os.open(path, flags)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".journal.tmp-{os.getpid()}")
+    fd = os.open(temp, flags | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, SIZE)
+        os.pwrite(fd, _header(secrets.randbits(63), boot_id()), 0)
+        os.fsync(fd)
+        # One journal, even when processes race to create it: a loser uses the winner's.
+        with contextlib.suppress(FileExistsError):
+            os.link(temp, path)
+        os.close(fd)
+        fd = os.open(path, flags)
+        fsync_dir(path.parent)
+    finally:
+        temp.unlink(missing_ok=True)
+    return fd
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _header(epoch: int, boot: str) -> bytes:
+    raw = boot.encode("ascii", "replace")[:36].ljust(36, b"\0")
+    crc = zlib.crc32(_MAGIC + epoch.to_bytes(8, "little") + raw)
+    return _HEAD.pack(_MAGIC, epoch, raw, crc).ljust(HEADER, b"\0")
+
+
+def read_header(fd: int) -> tuple[int, str] | None:
+    raw = os.pread(fd, _HEAD.size, 0)
+    if len(raw) < _HEAD.size:
+        return None
+    magic, epoch, boot, crc = _HEAD.unpack(raw)
+    if magic != _MAGIC or zlib.crc32(_MAGIC + epoch.to_bytes(8, "little") + boot) != crc:
+        return None
+    return epoch, boot.rstrip(b"\0").decode("ascii", "replace")
+
+
+@contextlib.contextmanager
+def _locked(cdir: Path) -> Iterator[int]:
+    with _thread_lock:
+        fd = _fds[cdir]
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _check_boot(cdir: Path, fd: int) -> None:
+    """Under the lock: recover when the journal was last opened by another boot."""
+    head = read_header(fd)
+    if head is not None and head[1] == boot_id():
+        return
+    if head is not None:
+        from gitrun.store import journal_recovery  # only after a reboot
+
+        journal_recovery.recover(cdir, fd, head[0])
+    _new_epoch(cdir, fd)
+
+
+def _new_epoch(cdir: Path, fd: int) -> None:
+    """``syncfs`` (everything the journal covered is durable in place), then a fresh
+    random epoch: no record of an earlier one is ever read as part of the journal."""
+    durable.sync_filesystem(cdir)
+    epoch = secrets.randbits(63)
+    os.pwrite(fd, _header(epoch, boot_id()), 0)
+    _sync(cdir, fd)
+    _tails[cdir] = Tail(epoch, 0, HEADER)
+
+
+def records(fd: int, epoch: int, start: Tail, limit: int = 0) -> Iterator[tuple[Tail, bytes]]:
+    """The valid records from ``start`` on, each with the tail after it."""
+    seq, offset = start.seq, start.offset
+    limit = limit or os.fstat(fd).st_size
+    while offset + _REC.size <= limit:
+        raw = os.pread(fd, _REC.size, offset)
+        if len(raw) < _REC.size:
+            return
+        magic, rec_epoch, rec_seq, length, crc = _REC.unpack(raw)
+        if magic != _REC_MAGIC or rec_epoch != epoch or rec_seq != seq:
+            return
+        if offset + _REC.size + length > limit:
+            return
+        payload = os.pread(fd, length, offset + _REC.size)
+        if len(payload) != length or zlib.crc32(raw[:24] + payload) != crc:
+            return
+        seq, offset = seq + 1, _align(offset + _REC.size + length)
+        yield Tail(epoch, seq, offset), payload
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def _tail(cdir: Path, fd: int) -> Tail:
+    """Under the lock: where the next record goes (others may have appended)."""
+    head = read_header(fd)
+    if head is None or head[1] != boot_id():  # damaged (nothing to trust), or a reboot
+        _check_boot(cdir, fd)
+        head = (_tails[cdir].epoch, boot_id())
+    tail = _tails.get(cdir)
+    if tail is None or tail.epoch != head[0]:
+        tail = Tail(head[0], 0, HEADER)
+    for after, _ in records(fd, head[0], tail, _sizes[cdir]):
+        tail = after
+    return tail
+
+
+def encode(objects: Sequence[tuple[bytes, bytes]], refs: Sequence[RefEntry]) -> bytes:
+    """A record's payload: each object (raw id, loose-file bytes), then each ref."""
+    parts: list[bytes] = []
+    for oid, data in objects:
+        parts += [b"O", oid, len(data).to_bytes(4, "little"), data]
+    for ref in refs:
+        name, msg = ref.name.encode(), ref.message.encode()[:4000]
+        parts += [b"D" if ref.new is None else b"R", len(name).to_bytes(2, "little"), name]
+        parts += [ref.new or _ZERO, ref.old or _ZERO, len(msg).to_bytes(2, "little"), msg]
+    return b"".join(parts)
+
+
+def decode(payload: bytes, into: Replay) -> None:
+    """Fold one record into ``into`` (raises ValueError on a malformed payload)."""
+    i = 0
+    while i < len(payload):
+        kind = payload[i : i + 1]
+        if kind == b"O":
+            oid, n = payload[i + 1 : i + 21], int.from_bytes(payload[i + 21 : i + 25], "little")
+            into.objects[oid] = payload[i + 25 : i + 25 + n]
+            i += 25 + n
+            continue
+        if kind not in (b"R", b"D"):
+            raise ValueError(f"unknown journal entry {kind!r}")
+        n = int.from_bytes(payload[i + 1 : i + 3], "little")
+        name = payload[i + 3 : i + 3 + n].decode()
+        j = i + 3 + n
+        new, old = payload[j : j + 20], payload[j + 20 : j + 40]
+        m = int.from_bytes(payload[j + 40 : j + 42], "little")
+        message = payload[j + 42 : j + 42 + m].decode("utf-8", "replace")
+        new_value = None if kind == b"D" else new
+        entry = RefEntry(name, new_value, None if old == _ZERO else old, message)
+        into.first_old.setdefault(name, entry.old)
+        into.refs[name] = entry
+        i = j + 42 + m
+
+
+@contextlib.contextmanager
+def recording(
+    cdir: Path, objects: Sequence[tuple[bytes, bytes]], refs: Sequence[RefEntry]
+) -> Iterator[None]:
+    """Journal ``objects`` and ``refs`` durably, then run the block (the renames) while
+    still holding the journal's lock, so no rotation starts before they are done."""
+    payload = encode(objects, refs)
+    with _locked(cdir) as fd:
+        tail = _tail(cdir, fd)
+        if tail.offset + _REC.size + len(payload) > _sizes[cdir]:
+            _new_epoch(cdir, fd)
+            tail = _tails[cdir]
+        head = struct.pack("<IQQI", _REC_MAGIC, tail.epoch, tail.seq, len(payload))
+        crc = zlib.crc32(head + payload)
+        os.pwrite(fd, head + crc.to_bytes(4, "little") + payload, tail.offset)
+        _sync(cdir, fd)
+        end = _align(tail.offset + _REC.size + len(payload))
+        _tails[cdir] = Tail(tail.epoch, tail.seq + 1, end)
+        yield
+
+
+def fits(cdir: Path, size: int) -> bool:
+    """A move of ``size`` bytes of objects goes through the journal (else the barrier)."""
+    return size + _REC.size <= _sizes.get(cdir, SIZE) // 4
+
+
+def _sync(cdir: Path, fd: int) -> None:
+    try:
+        os.fdatasync(fd)
+    except OSError as exc:
+        raise StorageFailed(
+            f"the disk holding {cdir} reported a write error ({exc.strerror}): the last "
+            "change is not acknowledged; check the disk, then resume the run"
+        ) from exc
+
+
+def pin(cdir: Path, name: str, value: bytes | None) -> None:
+    """Journal ``name``'s real value: a dead move's record for it is never completed."""
+    if not usable(cdir):
+        return
+    with recording(cdir, (), [RefEntry(name, value, value, "gitrun: stale lock cleared")]):
+        pass
+
+
+def forget() -> None:
+    """Close every journal: a forked child must not share its parent's open file (and
+    with it the parent's ``flock``); it opens its own at its first move."""
+    global _thread_lock  # noqa: PLW0603 - a fork's child gets a fresh, unheld lock
+    for fd in _fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _fds.clear()
+    _sizes.clear()
+    from gitrun.store import journal_recovery
+
+    journal_recovery.restored.clear()
+    _tails.clear()
+    _unusable.clear()
+    _boot.clear()
+    _thread_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=forget)
+
+
+__all__ = [
+    "RefEntry",
+    "Replay",
+    "Tail",
+    "boot_id",
+    "decode",
+    "encode",
+    "fits",
+    "forget",
+    "pin",
+    "read_header",
+    "recording",
+    "records",
+    "recover_if_needed",
+    "usable",
+]

@@ -1,0 +1,115 @@
+"""Refs under gitrun's OS locks: reading a ref, the ``flock`` per ref every gitrun writer
+holds, and the stale ``<ref>.lock`` files a killed writer leaves (see
+:mod:`gitrun.store.gitstore` for the protocol they serve).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pygit2
+
+from gitrun.core.errors import RefLocked, Refused
+from gitrun.store import journal
+from gitrun.store.oslock import LockBusy, busy_error, flock, waiting
+
+STALE_LOCK_GRACE_SECONDS = 1.0
+LOCK_TIMEOUT_SECONDS = 30.0
+
+_common_dirs: dict[str, Path] = {}  # a repository's git dir -> its common dir (every move asks)
+
+
+def common_dir(repo: pygit2.Repository) -> Path:
+    """The repository's common git dir (shared by all its worktrees)."""
+    found = _common_dirs.get(repo.path)
+    if found is None:
+        gitdir = Path(repo.path)
+        commondir_file = gitdir / "commondir"
+        if commondir_file.is_file():
+            found = (gitdir / commondir_file.read_text().strip()).resolve()
+        else:
+            found = gitdir.resolve()
+        _common_dirs[repo.path] = found
+    return found
+
+
+def read_ref(repo: pygit2.Repository, name: str) -> pygit2.Oid | None:
+    """The direct target of ``name``, or None when the ref does not exist."""
+    ref = repo.references.get(name)
+    if ref is None:
+        return None
+    target = ref.target
+    if not isinstance(target, pygit2.Oid):
+        raise Refused(f"ref {name} is symbolic; gitrun expects a direct ref")
+    return target
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A ref re-read under its OS lock inside the transaction but not changed (fencing)."""
+
+    name: str
+    check: Callable[[pygit2.Oid | None], None]
+
+
+def lock_path(cdir: Path, refname: str) -> Path:
+    digest = hashlib.sha256(refname.encode()).hexdigest()[:32]
+    return Path(f"{cdir}/gitrun/locks/{digest}.flock")
+
+
+def ref_lock_file(cdir: Path, refname: str) -> Path:
+    return Path(f"{cdir}/{refname}.lock")
+
+
+def _clear_stale_lock(repo: pygit2.Repository, cdir: Path, refname: str) -> None:
+    """Remove ``<ref>.lock`` when we hold the ref's OS lock and the file is not fresh.
+
+    Holding the OS lock proves no live gitrun writer holds the ref lock; the grace
+    period keeps us off a lock a foreign git command holds for a few milliseconds.
+    The ref's real value is journaled first (:func:`gitrun.store.journal.pin`): the
+    dead writer's record of a move it never made is then never completed by recovery.
+    """
+    lockfile = ref_lock_file(cdir, refname)
+    deadline = time.monotonic() + STALE_LOCK_GRACE_SECONDS + 1.0
+    while lockfile.exists():
+        try:
+            age = time.time() - lockfile.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= STALE_LOCK_GRACE_SECONDS:
+            if refname.startswith("refs/"):  # not the index: it is no ref and never journaled
+                current = read_ref(repo, refname)
+                journal.pin(cdir, refname, None if current is None else current.raw)
+            lockfile.unlink(missing_ok=True)
+            return
+        if time.monotonic() > deadline:
+            raise RefLocked(refname, f"ref {refname} stays locked by a process that is not gitrun")
+        time.sleep(0.05)
+
+
+@contextmanager
+def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]:
+    """Hold the OS-level lock of every named ref (sorted, so no deadlock)."""
+    cdir = common_dir(repo)
+    with ExitStack() as stack:
+        for name in sorted(set(refnames)):
+            path = lock_path(cdir, name)
+            try:
+                try:
+                    stack.enter_context(_ref_flock(path, name))
+                except FileNotFoundError:  # the locks directory is new (or was removed)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    stack.enter_context(_ref_flock(path, name))
+            except LockBusy as exc:
+                raise busy_error(name, exc, LOCK_TIMEOUT_SECONDS) from exc
+            _clear_stale_lock(repo, cdir, name)
+        yield
+
+
+def _ref_flock(path: Path, name: str) -> AbstractContextManager[None]:
+    return flock(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))

@@ -1,0 +1,292 @@
+"""The one atomic ref-update path: :func:`update_ref` (see :mod:`gitrun.store.gitstore`).
+
+A move is made durable by one record in the repository's journal
+(:mod:`gitrun.store.journal`: the new objects' bytes and the ref's value, one
+``fdatasync``), or, for a move too large for it, by the barrier of
+:mod:`gitrun.store.durable`; then the staged objects are published and the ref's
+``.lock`` is renamed over the ref (the commit point).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pygit2
+
+from gitrun.core import faults
+from gitrun.core.errors import CasFailed, RefLocked, Refused
+from gitrun.store import durable, journal, reflog
+from gitrun.store.reflocks import Guard, common_dir, os_locks, read_ref, ref_lock_file
+
+
+def update_ref(
+    repo: pygit2.Repository,
+    name: str,
+    expected: pygit2.Oid | None,
+    new: pygit2.Oid | None,
+    *,
+    guards: Sequence[Guard] = (),
+    message: str = "gitrun",
+    what: str = "",
+    crash_prefix: str = "",
+    cache: bool = False,
+    follow: str = "",
+) -> bool:
+    """Compare-and-swap ``name`` from ``expected`` to ``new`` (None = absent/delete).
+
+    Every guard ref is re-read under its OS lock and its check called with its value;
+    a check that raises aborts, nothing moves. A move is durable when this returns, and
+    so is every object this process wrote before it (one journal record, or the barrier).
+    ``follow`` names a cache ref (a receipt index entry) to point at ``new`` too, in the
+    same journal record and renamed after ``name`` (so no reader sees it ahead of the
+    ref; ``cache`` marks such a ref moved alone: a barrier move skips its final sync).
+    False when the follower's lock was taken by someone else: nothing was written for
+    it, the caller moves it alone.
+    """
+    names = [name, *(g.name for g in guards), *([follow] if follow else [])]
+    with os_locks(repo, names):
+        for attempt in range(50):
+            try:
+                if new is None:
+                    _delete(repo, name, expected, guards, what, crash_prefix)
+                    return True
+                move = _Move(name, expected, new, message, what, crash_prefix, cache, follow)
+                followed = _swap(repo, move, guards)
+            except (pygit2.GitError, _LockTaken) as exc:
+                # A foreign process holds a ref lock for a moment: retry with jitter.
+                if attempt == 49:
+                    raise RefLocked(name, f"could not lock {name}: {exc}") from exc
+                time.sleep(random.uniform(0.005, 0.03))  # noqa: S311 - jitter, not crypto
+                continue
+            # Outside the retries: the move has happened.
+            return followed if followed is not None else _finish(repo, move)
+    return True  # not reached: the last attempt returns or raises
+
+
+class _LockTaken(Exception):
+    """``<ref>.lock`` exists: a foreign git process holds the ref for a moment."""
+
+
+def _compare(
+    repo: pygit2.Repository,
+    name: str,
+    expected: pygit2.Oid | None,
+    guards: Sequence[Guard],
+    what: str,
+) -> pygit2.Oid | None:
+    """Under the ref's lock: every guard's check, then the ref must hold ``expected``."""
+    for guard in guards:
+        guard.check(read_ref(repo, guard.name))
+    actual = read_ref(repo, name)
+    if actual != expected:
+        raise CasFailed(name, _hex(expected), _hex(actual), what)
+    return actual
+
+
+@dataclass(frozen=True)
+class _Move:
+    name: str
+    expected: pygit2.Oid | None
+    new: pygit2.Oid
+    message: str
+    what: str
+    crash_prefix: str
+    cache: bool
+    follow: str = ""
+
+
+def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool | None:
+    """Take ``<ref>.lock`` (git's own lock protocol), compare, write the new value, make
+    it and the objects it names durable (the journal's one sync, or the barrier), reflog
+    line, rename (the commit point). The follower's result (True without one), or None
+    when the barrier ran and :func:`_finish` still owes the final sync."""
+    cdir, point = common_dir(repo), move.crash_prefix
+    lock = ref_lock_file(cdir, move.name)
+    fd = _take_lock(lock)
+    if fd is None:
+        raise _LockTaken(f"{move.name}.lock exists")
+    moved = False
+    try:
+        try:
+            if point:
+                faults.point(f"{point}_locked")
+            actual = _compare(repo, move.name, move.expected, guards, move.what)
+            os.write(fd, f"{move.new}\n".encode())
+        finally:
+            os.close(fd)
+        objects = durable.staged_closure(repo, cdir, move.new, actual)
+        staged = durable.read_staged(cdir, objects) if journal.usable(cdir) else None
+        if staged is not None and journal.fits(cdir, sum(len(d) for _, d in staged)):
+            return _journaled(repo, cdir, move, actual, lock, objects, staged)
+        entry = _entry(move.name, actual, move.new, move.message)
+        durable.barrier(repo, cdir, objects)
+        if journal.usable(cdir):  # the ref's value, so no recovery rolls it back
+            with journal.recording(cdir, (), [entry]):
+                _commit_point(repo, cdir, move, actual, lock)
+        else:
+            _commit_point(repo, cdir, move, actual, lock)
+        moved = True
+    finally:
+        if not moved and lock.exists():
+            _release(lock)
+    if point:
+        faults.point(f"{point}_moved")
+    return None
+
+
+def _release(lock: Path) -> None:
+    lock.unlink(missing_ok=True)  # nothing moved: release the ref
+
+
+def _entry(name: str, old: pygit2.Oid | None, new: pygit2.Oid, message: str) -> journal.RefEntry:
+    return journal.RefEntry(name, new.raw, None if old is None else old.raw, message)
+
+
+def _commit_point(
+    repo: pygit2.Repository, cdir: Path, move: _Move, actual: pygit2.Oid | None, lock: Path
+) -> None:
+    if move.crash_prefix:
+        faults.point(f"{move.crash_prefix}_synced")
+    # After the objects are published: a reflog line never names an object still in the
+    # stage (git fsck would call it invalid); it is durable with the move (journal or sync).
+    reflog.append(repo, cdir, move.name, actual, move.new, move.message)
+    os.rename(lock, cdir / move.name)
+
+
+def _journaled(
+    repo: pygit2.Repository,
+    cdir: Path,
+    move: _Move,
+    actual: pygit2.Oid | None,
+    lock: Path,
+    objects: list[str],
+    staged: list[tuple[bytes, bytes]],
+) -> bool:
+    """The move made durable by one journal record (its objects' bytes, its value and its
+    follower's), then published and renamed with no sync (:mod:`gitrun.store.journal`)."""
+    follower = _lock_follower(repo, cdir, move.follow, move.new) if move.follow else None
+    entries = [_entry(move.name, actual, move.new, move.message)]
+    if follower is not None and follower[1] != move.new:
+        entries.append(_entry(move.follow, follower[1], move.new, "gitrun receipt index"))
+    try:
+        with journal.recording(cdir, staged, entries):
+            durable.publish(cdir, objects)
+            _commit_point(repo, cdir, move, actual, lock)
+            if move.crash_prefix:
+                faults.point(f"{move.crash_prefix}_moved")
+            if follower is not None:
+                _rename_follower(repo, cdir, move, follower)
+    except BaseException:
+        if lock.exists():  # the rename did not happen (we hold the ref's OS lock)
+            _release(lock)
+        if follower is not None:
+            follower[0].unlink(missing_ok=True)
+        raise
+    return follower is not None or not move.follow
+
+
+def _finish(repo: pygit2.Repository, move: _Move) -> bool:
+    """After a barrier move's commit point: the follower's lock written, the final sync,
+    then the follower's rename. False when its lock could not be taken (nothing written
+    for it)."""
+    cdir = common_dir(repo)
+    follower = _lock_follower(repo, cdir, move.follow, move.new) if move.follow else None
+    if not move.cache:
+        durable.sync_filesystem(cdir)  # the move is durable before anyone is told of it
+    if follower is None:
+        return not move.follow
+    if journal.usable(cdir) and follower[1] != move.new:
+        with journal.recording(cdir, (), [_entry(move.follow, follower[1], move.new, "")]):
+            _rename_follower(repo, cdir, move, follower)
+        return True
+    _rename_follower(repo, cdir, move, follower)
+    return True
+
+
+def _rename_follower(
+    repo: pygit2.Repository, cdir: Path, move: _Move, follower: tuple[Path, pygit2.Oid | None]
+) -> None:
+    lock, old = follower
+    if old == move.new:
+        return
+    try:
+        faults.point("receipt_index_locked")
+        reflog.append(repo, cdir, move.follow, old, move.new, "gitrun receipt index")
+        os.rename(lock, cdir / move.follow)  # no sync of its own: a cache ref (see above)
+    except BaseException:
+        lock.unlink(missing_ok=True)
+        raise
+
+
+def _lock_follower(
+    repo: pygit2.Repository, cdir: Path, name: str, new: pygit2.Oid
+) -> tuple[Path, pygit2.Oid | None] | None:
+    """Take the follower's ``.lock``, write ``new`` in it (the move's final sync makes it
+    durable): (the lock, the follower's value). None when that fails (taken, unreadable):
+    nothing is left, and the caller moves the follower on its own, as before."""
+    lock = ref_lock_file(cdir, name)
+    try:
+        fd = _take_lock(lock)
+    except OSError:
+        return None
+    if fd is None:
+        return None
+    try:
+        old = read_ref(repo, name)
+        if old != new:
+            os.write(fd, f"{new}\n".encode())
+    except (pygit2.GitError, OSError, Refused):
+        os.close(fd)
+        lock.unlink(missing_ok=True)
+        return None
+    os.close(fd)
+    if old == new:
+        lock.unlink()
+    return lock, old
+
+
+def _take_lock(lock: Path) -> int | None:
+    """Create ``<ref>.lock`` exclusively, as git and libgit2 do, and return its open
+    descriptor (the new value is written through it); None when it exists."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        try:
+            return os.open(lock, flags, 0o644)
+        except FileNotFoundError:  # the ref's directory is new
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(lock, flags, 0o644)
+    except FileExistsError:
+        return None
+
+
+def _delete(
+    repo: pygit2.Repository,
+    name: str,
+    expected: pygit2.Oid | None,
+    guards: Sequence[Guard],
+    what: str,
+    crash_prefix: str,
+) -> None:
+    """Remove ``name`` through libgit2 (it may rewrite ``packed-refs``, fsynced), its
+    removal journaled first so that no recovery brings back an older journaled value."""
+    cdir = common_dir(repo)
+    with repo.transaction() as tx:
+        tx.lock_ref(name)
+        if crash_prefix:
+            faults.point(f"{crash_prefix}_locked")
+        actual = _compare(repo, name, expected, guards, what)
+        if journal.usable(cdir) and actual is not None:
+            with journal.recording(cdir, (), [journal.RefEntry(name, None, actual.raw, "")]):
+                pass
+        tx.remove(name)
+    if crash_prefix:
+        faults.point(f"{crash_prefix}_moved")
+
+
+def _hex(oid: pygit2.Oid | None) -> str | None:
+    return None if oid is None else str(oid)
