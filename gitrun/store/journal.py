@@ -8,7 +8,7 @@ the objects are then renamed from the stage into ``objects/`` and the ref's ``.l
 over the ref, with no sync of their own: the kernel writes those names back in its own
 time, and until it has, the journal holds everything a power cut could take from them.
 
-- The file (``<common dir>/gitrun/journal``, ``SIZE`` bytes of zeros written once) starts
+- The file (``<common dir>/gitrun/journal``, ``SIZE`` bytes allocated once) starts
   with a header block: a magic, an *epoch* and the *boot id* of the kernel that last
   opened it. A record carries the epoch, a sequence number, its length and a CRC-32: the
   journal is the longest run of records of the header's epoch with consecutive sequence
@@ -57,7 +57,8 @@ from gitrun.store import durable
 
 JOURNAL_FILE = "gitrun/journal"
 RECOVERED_DIR = "gitrun/recovered"
-SIZE = int(os.environ.get("GITRUN_JOURNAL_BYTES", "") or 4 << 20)  # tests shrink it
+SIZE = 4 << 20
+SIZE_VAR = "GITRUN_JOURNAL_BYTES"  # a new journal's size (tests shrink it to rotate often)
 HEADER = 4096
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 TEST_BOOT_VAR = "GITRUN_TEST_BOOT_ID"  # the power-loss tests' reboot; see tests/test_journal.py
@@ -153,7 +154,7 @@ def _open(cdir: Path) -> int:
     temp = path.with_name(f".journal.tmp-{os.getpid()}")
     fd = os.open(temp, flags | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.posix_fallocate(fd, 0, SIZE)
+        os.posix_fallocate(fd, 0, max(HEADER * 4, int(os.environ.get(SIZE_VAR) or SIZE)))
         os.pwrite(fd, _header(secrets.randbits(63), boot_id()), 0)
         os.fsync(fd)
         # One journal, even when processes race to create it: a loser uses the winner's.
