@@ -22,6 +22,8 @@ import pytest
 from conftest import SANDBOXES
 from helpers import CLI_ENV, Templates, git
 
+from gitrun.adapter import environment
+from gitrun.app import status_read
 from gitrun.app.options import Options
 from gitrun.app.status import RunStatus, status, through_pygit2
 from gitrun.app.status_read import quick
@@ -208,6 +210,16 @@ def test_a_loose_object_that_does_not_hash_to_its_id_is_left_to_pygit2(home: Pat
     path = _repo(home) / ".git" / "objects" / oid[:2] / oid[2:]
     path.chmod(0o644)
     path.write_bytes(zlib.compress(b"blob 2\x00{}"))
+    _handed_over(home)
+
+
+def test_an_instance_record_that_is_not_an_object_is_left_to_pygit2(home: Path) -> None:
+    """The pygit2 path reads the worktree's instance id to name the checkpoint ref (and
+    fails on a record that is no JSON object); the reader, which finds the ref by a scan,
+    must not answer where that fails."""
+    assert status_read.INSTANCE_FILE == environment.INSTANCE_FILE
+    gitdir = Path(git(home / "worktrees" / RUN, "rev-parse", "--absolute-git-dir").strip())
+    (gitdir / status_read.INSTANCE_FILE).write_text("[1, 2]")
     _handed_over(home)
 
 

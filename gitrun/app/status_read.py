@@ -14,6 +14,12 @@ path would raise: a refusal always comes from the pygit2 path, word for word. A
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import stat
+from pathlib import Path
+
 from gitrun.app.options import Options
 from gitrun.app.status import (
     LeaseStatus,
@@ -29,6 +35,7 @@ from gitrun.core import trailer
 from gitrun.core.errors import CheckpointRejected, LeaseUnreadable
 from gitrun.core.records import RunState
 from gitrun.core.task import Task, load_task
+from gitrun.store.atomicfile import read_bytes
 from gitrun.store.checkpoint_verify import (
     CommitParts,
     no_ref,
@@ -71,7 +78,7 @@ def _read(git: GitReader, record: RunRecord, task: Task, opts: Options) -> RunSt
     witness = Witness(opts.workspace.witness_dir, keyring)
     where = where_fields(record, opts, _lease(git, record.run_id))
     try:
-        ref, state, oid = _load_verified(git, record.run_id, keyring, witness)
+        ref, state, oid = _load_verified(git, record, keyring, witness)
     except CheckpointRejected as exc:
         return unknown(where, task.id, exc)
     return RunStatus(
@@ -91,13 +98,15 @@ def _lease(git: GitReader, run_id: str) -> LeaseStatus | UnreadableLease | None:
 
 
 def _load_verified(
-    git: GitReader, run_id: str, keyring: Keyring, witness: Witness
+    git: GitReader, record: RunRecord, keyring: Keyring, witness: Witness
 ) -> tuple[str, RunState, str]:
     """:func:`gitrun.app.opening.load_verified` (no scenario check) over the reader.
 
     The pygit2 path reads the ref named by the worktree's instance id, else the one ref
     a scan finds: the same ref whenever the scan finds at most one (the named ref, when
     it exists, is among them); more than one is left to the pygit2 path."""
+    run_id = record.run_id
+    _probe_instance(Path(record.worktree))
     refs = git.refs_under(f"refs/gitrun/runs/{run_id}/checkpoints/")
     if len(refs) > 1:
         raise Unsupported(f"run {run_id} has {len(refs)} checkpoint refs")
@@ -120,3 +129,30 @@ def _load_verified(
         state, _ = verify(keyring, ref, parts)
         witness_admits(witness, ref, state, head, parent)
     return ref, state, head
+
+
+INSTANCE_FILE = "gitrun-instance.json"  # gitrun.adapter.environment.INSTANCE_FILE
+
+
+def _probe_instance(worktree: Path) -> None:
+    """Read the worktree's instance id as :meth:`Environment.instance_id` does, for its
+    failures only: the pygit2 path names its checkpoint ref by it and falls back to the
+    scan on a refusal (as this reader always does), but a record that is not an object,
+    or has no id, makes it fail otherwise; then pygit2 must answer (Unsupported)."""
+    dotgit = worktree / ".git"
+    if not dotgit.exists():
+        return  # the pygit2 path: worktree-missing, caught, the ref found by the scan
+    st = os.lstat(dotgit)
+    if not stat.S_ISREG(st.st_mode):
+        raise Unsupported(f"{dotgit} is not a gitdir file")
+    found = re.fullmatch(r"gitdir: (/[^\n]*)\n?", dotgit.read_text(errors="replace"))
+    if found is None or not Path(found.group(1)).is_dir():
+        raise Unsupported(f"{dotgit} does not name a git dir plainly")
+    try:
+        doc = json.loads(read_bytes(Path(found.group(1)) / INSTANCE_FILE).decode())
+    except (OSError, ValueError):
+        return  # other-instance, caught
+    if not isinstance(doc, dict):
+        raise Unsupported("the instance record is not an object")
+    if doc.get("worktree") == str(worktree.resolve()) and "instance_id" not in doc:
+        raise Unsupported("the instance record has no instance id")

@@ -129,6 +129,9 @@ class GitReader:
         config = (self._read(["config"]) or b"").lower()
         if b"extensions" in config or b"include" in config:
             raise Unsupported("the config names extensions or includes")
+        version = re.search(rb"repositoryformatversion\s*=\s*(\S*)", config)
+        if version is not None and version.group(1) not in (b"0", b"1"):
+            raise Unsupported("a repository format libgit2 may not open")
         if os.fstat(self._fd).st_uid != os.geteuid():
             raise Unsupported("the git dir is owned by another user")
 
