@@ -8,8 +8,10 @@ lease blob's decoding, the checkpoint's HMAC, form and chain, the witness's fres
 check and roll-forward, the receipts' trailers and tree diffs), reading git by itself.
 It answers None, and the caller asks pygit2, whenever it cannot read something
 exactly as libgit2 would (see :mod:`gitrun.store.gitread`), and whenever the pygit2
-path would raise: a refusal always comes from the pygit2 path, word for word. A
-``--remote`` run always goes through pygit2 (its store is the remote).
+path would raise: a refusal always comes from the pygit2 path, word for word, but for
+a witness lock that stayed taken for the whole wait (raised as it is: waiting as long
+again through pygit2 would only say the same later). A ``--remote`` run always goes
+through pygit2 (its store is the remote).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from gitrun.app.status import (
 )
 from gitrun.app.workspace import RunRecord, check_run_id
 from gitrun.core import trailer
-from gitrun.core.errors import CheckpointRejected, LeaseUnreadable
+from gitrun.core.errors import CheckpointRejected, LeaseUnreadable, RefLocked
 from gitrun.core.records import RunState
 from gitrun.core.task import Task, load_task
 from gitrun.store.atomicfile import read_bytes
@@ -67,6 +69,8 @@ def quick(run_id: str, opts: Options) -> RunStatus | None:
         return None
     try:
         return _read(git, record, task, opts)
+    except RefLocked:
+        raise  # the run's witness stayed locked the full wait: the pygit2 path would too
     except Exception:  # any doubt, any refusal: the pygit2 path answers
         return None
     finally:
