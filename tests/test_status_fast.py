@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import zlib
@@ -20,7 +21,7 @@ from pathlib import Path
 import pygit2
 import pytest
 from conftest import SANDBOXES
-from helpers import CLI_ENV, Templates, git
+from helpers import CLI_ENV, Gitrun, Templates, git, hermetic
 
 from gitrun.adapter import environment
 from gitrun.app import status_read
@@ -183,11 +184,59 @@ def test_packed_refs_are_read_without_pygit2(home: Path) -> None:
 # -- handed over to pygit2 -----------------------------------------------------------------
 
 
-def test_a_gc_packed_repository_is_read_through_pygit2_with_the_same_answer(home: Path) -> None:
+def test_a_gc_packed_repository_is_read_from_its_packs_without_pygit2(home: Path) -> None:
     git(_repo(home), "gc", "--quiet")
+    checkpoint = git(_repo(home), "rev-parse", _ref(home, "checkpoints/")).strip()
+    assert not (_repo(home) / ".git" / "objects" / checkpoint[:2] / checkpoint[2:]).exists()
+    _same(home)
+    loaded, _ = _loads_pygit2(home)
+    assert not loaded
+
+
+def test_a_run_on_a_users_packed_repository_is_read_without_pygit2(tmp_path: Path) -> None:
+    """A user's repository (its base commit packed, its message signed off): the walk
+    down the run's branch reads the base from the pack and its trailers as libgit2 does."""
+    repo = tmp_path / "user-repo"
+    shutil.copytree(SANDBOXES / TASK / "repo", repo)
+    git(tmp_path, "init", "-q", str(repo))
+    git(repo, "add", "-A")
+    who = ("-c", "user.name=u", "-c", "user.email=u@example.com")
+    git(repo, *who, "commit", "-qm", "base\n\nSigned-off-by: U <u@example.com>")
+    git(repo, "gc", "--quiet")
+    home = tmp_path / "ws"
+    with hermetic(tmp_path / "user"):
+        res = Gitrun(home)("run", str(SANDBOXES / TASK), "--repo", str(repo), "--run-id", RUN)
+    assert res.code == Exit.DONE, res.err
+    fast = _same(home)
+    assert fast.repo == str(repo)
+    assert not _loads_pygit2(home)[0]
+
+
+def test_objects_found_only_through_alternates_are_left_to_pygit2(
+    home: Path, tmp_path: Path
+) -> None:
+    """The reader reads no alternates: an object it does not find hands over to pygit2."""
+    git(_repo(home), "gc", "--quiet")
+    objects = _repo(home) / ".git" / "objects"
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "pack").mkdir(parents=True)
+    for pack in (objects / "pack").iterdir():
+        pack.rename(elsewhere / "pack" / pack.name)
+    (objects / "info" / "alternates").write_text(f"{elsewhere}\n")
     _handed_over(home)
     loaded, _ = _loads_pygit2(home)
     assert loaded
+
+
+def test_a_pack_whose_bytes_were_changed_is_left_to_pygit2(home: Path) -> None:
+    git(_repo(home), "gc", "--quiet")
+    pack = next((_repo(home) / ".git" / "objects" / "pack").glob("*.pack"))
+    data = bytearray(pack.read_bytes())
+    for i in range(40, len(data) - 20, 97):  # past the header, before the trailer
+        data[i] ^= 0x5A
+    pack.chmod(0o644)
+    pack.write_bytes(bytes(data))
+    _handed_over(home)
 
 
 def test_a_lease_ref_file_of_garbage_is_left_to_pygit2(home: Path) -> None:
@@ -275,6 +324,39 @@ def test_changed_paths_over_loose_trees_are_libgit2_tree_diffs(tmp_path: Path) -
             old, new = _random_tree(repo, rnd), _random_tree(repo, rnd)
             want = trees.changed_paths(repo[old], repo[new])  # type: ignore[arg-type]
             assert changed_paths(reader, str(old), str(new)) == want
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("offsets", ["true", "false"], ids=["ofs-delta", "ref-delta"])
+def test_every_object_of_a_repacked_repository_reads_as_git_shows_it(
+    tmp_path: Path, offsets: str
+) -> None:
+    """Deltas of either kind (offset or ref base), chains of them: each object the
+    reader returns is what `git cat-file` prints (and hashed to its id by the reader)."""
+    repo = tmp_path / "r"
+    git(tmp_path, "init", "-q", str(repo))
+    rnd = random.Random(7)
+    lines = [f"line {i} {'x' * rnd.randint(0, 40)}\n" for i in range(300)]
+    for n in range(12):
+        for _ in range(5):
+            lines[rnd.randrange(len(lines))] = f"edit {n} {rnd.random()}\n"
+        (repo / "big.txt").write_text("".join(lines))
+        (repo / "sub").mkdir(exist_ok=True)
+        (repo / "sub" / f"f{n % 3}.txt").write_text("".join(lines[n::7]))
+        git(repo, "add", "-A")
+        git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", f"c{n}")
+    git(repo, "-c", f"repack.useDeltaBaseOffset={offsets}", "repack", "-adfq", "--depth=20")
+    assert not list((repo / ".git" / "objects").glob("??/*"))
+    listed = git(repo, "cat-file", "--batch-all-objects", "--batch-check").split("\n")
+    reader = GitReader(repo)
+    try:
+        for line in filter(None, listed):
+            oid, kind, _ = line.split()
+            body = subprocess.run(
+                ["git", "-C", str(repo), "cat-file", kind, oid], capture_output=True, check=True
+            ).stdout
+            assert reader.object(oid) == (kind.encode(), body)
     finally:
         reader.close()
 

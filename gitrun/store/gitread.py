@@ -1,13 +1,15 @@
 """A read-only git reader in pure Python, for what ``gitrun status`` reads (issue #15).
 
-Loose refs, ``packed-refs`` and loose objects: enough for a run's refs, checkpoint,
-lease and write commits without loading pygit2 (~80 ms of a fresh process). It answers
-only what it can answer exactly as libgit2 would, and raises :class:`Unsupported` for
-anything else, upon which the caller asks pygit2 instead: an object that is not loose
-(packed by ``git gc``, or missing), a symbolic or malformed ref, a symlink anywhere
-under the git dir on the way to a ref or object, an unusual repository layout
-(a linked worktree, ``extensions``, config includes), an object whose content does not
-hash to its id, a commit with an encoding header or a NUL in its message.
+Loose refs, ``packed-refs``, loose objects and packed ones (:mod:`gitrun.store.gitpack`):
+enough for a run's refs, checkpoint, lease and write commits without loading pygit2
+(~80 ms of a fresh process). Every object's content is hashed and compared with the id
+asked for. It answers only what it can answer exactly as libgit2 would, and raises
+:class:`Unsupported` for anything else, upon which the caller asks pygit2 instead: an
+object in no pack and not loose (missing, or behind ``objects/info/alternates``), a
+symbolic or malformed ref, a symlink anywhere under the git dir on the way to a ref or
+object, an unusual repository layout (a linked worktree, ``extensions``, config
+includes), an object whose content does not hash to its id, a commit with an encoding
+header or a NUL in its message.
 
 Every file is opened relative to the git dir, one path component at a time, with
 ``O_NOFOLLOW`` (a planted symlink cannot lead the reader out of the git dir) and
@@ -25,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gitrun.core.git_trailers import message_trailers
+from gitrun.store.gitpack import PackSet, Unsupported
 
 __all__ = ["Commit", "GitReader", "TreeEntry", "Unsupported"]
 
@@ -41,10 +44,6 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _MAX_FILE = 16 << 20
 _MAX_OBJECT = 64 << 20
-
-
-class Unsupported(Exception):
-    """This reader cannot answer exactly as libgit2 would: ask pygit2."""
 
 
 class Commit:
@@ -104,7 +103,9 @@ class GitReader:
             self._fd = os.open(self.gitdir, _DIR)
         except OSError as exc:
             raise Unsupported(f"cannot open {self.gitdir}: {exc}") from exc
-        self._packed: dict[str, str] | None = None
+        self._packed_refs: dict[str, str] | None = None
+        self._packs: PackSet | None = None
+        self._resolving: set[str] = set()
         try:
             self._check_layout()
         except BaseException:
@@ -112,6 +113,9 @@ class GitReader:
             raise
 
     def close(self) -> None:
+        if self._packs is not None:
+            self._packs.close()
+            self._packs = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -194,9 +198,9 @@ class GitReader:
 
     def packed(self) -> dict[str, str]:
         """``packed-refs`` as name -> id (peeled lines skipped); Unsupported if odd."""
-        if self._packed is None:
-            self._packed = _parse_packed(self._read(["packed-refs"]) or b"")
-        return self._packed
+        if self._packed_refs is None:
+            self._packed_refs = _parse_packed(self._read(["packed-refs"]) or b"")
+        return self._packed_refs
 
     def refs_under(self, prefix: str) -> list[str]:
         """Every ref whose name starts with ``prefix`` (which ends in ``/``), sorted."""
@@ -250,21 +254,36 @@ class GitReader:
             raise Unsupported(f"object id {oid!r}")
         raw = self._read(["objects", oid[:2], oid[2:]], _MAX_OBJECT)
         if raw is None:
-            raise Unsupported(f"object {oid} is not loose")
-        inflate = zlib.decompressobj()
-        try:
-            data = inflate.decompress(raw, _MAX_OBJECT)
-        except zlib.error as exc:
-            raise Unsupported(f"object {oid} does not inflate") from exc
-        if not inflate.eof or inflate.unused_data or inflate.unconsumed_tail:
-            raise Unsupported(f"object {oid} is truncated, oversized or has trailing bytes")
-        header, nul, body = data.partition(b"\0")
-        kind, _, size = header.partition(b" ")
-        if not nul or not re.fullmatch(rb"0|[1-9][0-9]*", size) or int(size) != len(body):
-            raise Unsupported(f"object {oid} has a malformed header")
+            kind, body = self._packed(oid)
+            data = kind + b" " + str(len(body)).encode() + b"\0" + body
+        else:
+            data = _inflate_loose(oid, raw)
+            header, _, body = data.partition(b"\0")
+            kind = header.partition(b" ")[0]
         if hashlib.sha1(data).hexdigest() != oid:  # noqa: S324 - git's object ids
             raise Unsupported(f"object {oid} does not hash to its id")
         return kind, body
+
+    def _packed(self, oid: str) -> tuple[bytes, bytes]:
+        """``oid`` from the packs (not hashed yet); Unsupported when no pack has it."""
+        if self._packs is None:
+            fd = self._open(["objects", "pack"], _DIR)
+            if fd is None:
+                raise Unsupported(f"object {oid} is neither loose nor packed")
+            try:
+                self._packs = PackSet(fd)
+            finally:
+                os.close(fd)
+        if oid in self._resolving:
+            raise Unsupported(f"object {oid} is its own delta base")
+        self._resolving.add(oid)
+        try:
+            found = self._packs.read(oid, self.object)
+        finally:
+            self._resolving.discard(oid)
+        if found is None:
+            raise Unsupported(f"object {oid} is neither loose nor packed")
+        return found
 
     def blob(self, oid: str) -> bytes:
         kind, body = self.object(oid)
@@ -283,6 +302,22 @@ class GitReader:
         if kind != b"tree":
             raise Unsupported(f"{oid} is not a tree")
         return _parse_tree(oid, body)
+
+
+def _inflate_loose(oid: str, raw: bytes) -> bytes:
+    """A loose object's inflated bytes (header and body), its header checked."""
+    inflate = zlib.decompressobj()
+    try:
+        data = inflate.decompress(raw, _MAX_OBJECT)
+    except zlib.error as exc:
+        raise Unsupported(f"object {oid} does not inflate") from exc
+    if not inflate.eof or inflate.unused_data or inflate.unconsumed_tail:
+        raise Unsupported(f"object {oid} is truncated, oversized or has trailing bytes")
+    header, nul, body = data.partition(b"\0")
+    size = header.partition(b" ")[2]
+    if not nul or not re.fullmatch(rb"0|[1-9][0-9]*", size) or int(size) != len(body):
+        raise Unsupported(f"object {oid} has a malformed header")
+    return data
 
 
 def _find_gitdir(path: Path) -> Path:
