@@ -7,7 +7,8 @@ offset table) locates an object; its pack entry is inflated, and an offset or re
 is applied on its base, chain by chain. Nothing here is trusted: the caller hashes what
 comes out and compares it with the id asked for, and anything malformed, oversized or
 unknown (another index version, a delta chain deeper than git ever writes) raises
-:class:`Unsupported`, upon which pygit2 answers instead.
+:class:`~gitrun.store.gitread.Unsupported`, upon which pygit2 answers instead. Loaded
+only when an object is not loose (a sandbox's run never needs it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import struct
 import zlib
 from collections.abc import Callable
 
-__all__ = ["PackSet", "Unsupported"]
+from gitrun.store.gitread import Unsupported
+
+__all__ = ["PackSet"]
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -32,10 +35,6 @@ _OFS_DELTA, _REF_DELTA = 6, 7
 _MAX_DEPTH = 4096  # git writes chains of 50 (--depth); 4,095 is its hard limit
 _MAX_OBJECT = 64 << 20
 _CACHE = 128  # resolved bases kept per pack (trees of one walk share them)
-
-
-class Unsupported(Exception):  # a signal to ask pygit2 (gitread re-exports it)
-    """This reader cannot answer exactly as libgit2 would: ask pygit2."""
 
 
 Lookup = Callable[[str], tuple[bytes, bytes]]
