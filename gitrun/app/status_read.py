@@ -65,8 +65,8 @@ def quick(run_id: str, opts: Options) -> RunStatus | None:
         return None
     try:
         git = GitReader(record.repo)
-    except Unsupported:
-        return None
+    except (Unsupported, OSError):
+        return None  # the pygit2 path opens it, or says why it cannot
     try:
         return _read(git, record, task, opts)
     except RefLocked:
@@ -122,6 +122,8 @@ def _load_verified(
         if head is None:
             raise ref_gone(ref, witness.hint(run_of_ref(ref)))
         commit = git.commit(head)
+        if len(commit.parents) > 1:  # pygit2 loads every parent to check the first
+            raise Unsupported(f"checkpoint {head} has {len(commit.parents)} parents")
         parent = commit.parents[0] if commit.parents else ""
         parts = CommitParts(
             head,
