@@ -215,7 +215,7 @@ def test_a_symlink_planted_at_the_temp_name_is_never_opened(
     outside.write_bytes(b"precious")
     target = tmp_path / "state.json"
     names = iter(["planted", "fresh"])
-    monkeypatch.setattr("gitrun.store.atomicfile.secrets.token_hex", lambda _n: next(names))
+    monkeypatch.setattr("gitrun.store.atomicfile._temp_token", lambda: next(names))
     planted = tmp_path / f"{temp_prefix(target.name)}planted"
     planted.symlink_to(outside)
     os.utime(planted, follow_symlinks=False)

@@ -49,13 +49,9 @@ from gitrun.core.records import (
     new_key,
 )
 from gitrun.store import gitstore
-from gitrun.store.checkpoint import (
-    CheckpointStore,
-    _message,
-    _signed_bytes,
-    find_checkpoint_refs,
-    next_state,
-)
+from gitrun.store.checkpoint import CheckpointStore, find_checkpoint_refs, next_state
+from gitrun.store.checkpoint_verify import message as _message
+from gitrun.store.checkpoint_verify import signed_bytes as _signed_bytes
 from gitrun.store.keys import Keyring, load_keyring, rotate_keyring
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,27 +9,24 @@ runtime, approvals or cryptography at import).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pygit2
 
 from gitrun.adapter.environment import Environment
+from gitrun.app.options import Options, quiet
 from gitrun.app.workspace import RunRecord, Workspace, check_run_id
 from gitrun.core.errors import CheckpointRejected, GitrunError
 from gitrun.core.task import Task, load_task
 from gitrun.store import gitstore, trees
 from gitrun.store.checkpoint import CheckpointStore, Stored, checkpoint_ref, find_checkpoint_refs
+from gitrun.store.checkpoint_verify import no_ref
 from gitrun.store.keys import Keyring, load_keyring
-from gitrun.store.lease import DEFAULT_DURATION, LeaseManager, default_worker_id
+from gitrun.store.lease import DEFAULT_DURATION, LeaseManager
 from gitrun.store.remote import RemoteCheckpointLog, RemoteSite
 from gitrun.store.remote_lease import RemoteLeaseStore
 from gitrun.store.witness import Witness
-
-if TYPE_CHECKING:
-    from gitrun.engine.approvals import Approvals
-    from gitrun.engine.verifier import Secrets
 
 __all__ = [
     "Opened",
@@ -43,46 +40,6 @@ __all__ = [
     "open_run",
     "the_ref",
 ]
-
-
-def _quiet(_: str) -> None:
-    return None
-
-
-@dataclass
-class Options:
-    workspace: Workspace
-    worker: str = field(default_factory=default_worker_id)
-    lease_seconds: float = DEFAULT_DURATION
-    takeover_after: float | None = None
-    say: Callable[[str], None] = _quiet
-    trust_roots: Path | None = None
-    isolation: str | None = None  # --isolation: overrides the task's [verifier] isolation
-    output_log: Path | None = None  # the verifier keeps its command's output here (swebench)
-    remote: str | None = None  # --remote: the shared git remote is the runs' source of truth
-
-    def remote_for(self, record: RunRecord | None = None) -> str | None:
-        """The remote of a run: --remote, else the run's own (a registered run keeps its
-        store), else for a run not registered here the workspace config's."""
-        if self.remote:
-            return self.remote
-        if record is not None:
-            return record.remote or None
-        return self.workspace.config_remote
-
-    @property
-    def approvals(self) -> Approvals:
-        from gitrun.engine.approvals import Approvals
-        from gitrun.store.evidence import load_trust_roots
-
-        return Approvals(load_trust_roots(self.trust_roots) if self.trust_roots else None)
-
-    @property
-    def secrets(self) -> Secrets:
-        """What the code under test must never see: this workspace and its keyring."""
-        from gitrun.engine.verifier import Secrets
-
-        return Secrets((self.workspace.root,), (self.workspace.key_file,))
 
 
 def cli_options(
@@ -103,7 +60,7 @@ def cli_options(
         Workspace(workspace, key_file),
         lease_seconds=lease_seconds,
         takeover_after=takeover_after,
-        say=say or _quiet,
+        say=say or quiet,
         trust_roots=trust_roots,
         isolation=None if isolation is None else check_setting(isolation),
         remote=remote,
@@ -200,12 +157,7 @@ def the_ref(opened: Opened) -> str | None:
 def load_verified(opened: Opened, *, check_scenario: bool = True) -> tuple[str, Stored]:
     ref = the_ref(opened)
     if ref is None:
-        raise CheckpointRejected(
-            "high-water-mark-missing",
-            f"run {opened.record.run_id} has no checkpoint ref under refs/gitrun/runs/"
-            f"{opened.record.run_id}/checkpoints/; nothing can be trusted"
-            + opened.store.witnessed(opened.record.run_id),
-        )
+        raise no_ref(opened.record.run_id, opened.store.witnessed(opened.record.run_id))
     parts = (
         base_parts(opened.task, opened.repo, opened.record.base_commit) if check_scenario else None
     )

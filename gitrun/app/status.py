@@ -4,7 +4,9 @@
 is what ``gitrun status --json`` prints, and :meth:`RunStatus.as_dict` its JSON value.
 Two shapes: a checkpoint that verifies (:class:`CheckpointStatus`), or one that does not
 (phase ``unknown`` and ``checkpoint_error``). Hooks call this once per agent tool call
-(issue #15): it imports nothing :mod:`gitrun.app.reports` does not.
+(issue #15), so it is answered without pygit2 when it can be (:mod:`gitrun.app.status_read`
+reads loose refs and objects in pure Python) and through pygit2 otherwise: the same
+checks and the same answer either way, and this module loads no pygit2 itself.
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gitrun.app.opening import Opened, Options, load_verified, open_run
+from gitrun.app.options import Options
 from gitrun.core.codec import digest, encode
 from gitrun.core.errors import CheckpointRejected, LeaseUnreadable
 from gitrun.core.records import Budgets, Receipt, ReviewCase, RunState, VerifierEvent
-from gitrun.store.checkpoint import Stored
-from gitrun.store.lease import Lease, read_lease
+from gitrun.store.lease_record import Lease
+
+if TYPE_CHECKING:
+    from gitrun.app.opening import Opened
+    from gitrun.app.workspace import RunRecord
 
 __all__ = [
     "CheckpointStatus",
@@ -27,7 +32,12 @@ __all__ = [
     "PendingStatus",
     "RunStatus",
     "UnreadableLease",
+    "lease_status",
     "status",
+    "through_pygit2",
+    "unknown",
+    "verified_fields",
+    "where_fields",
 ]
 
 
@@ -169,9 +179,31 @@ class RunStatus:
 
 def status(run_id: str, opts: Options) -> RunStatus:
     """Everything a user needs to know about a run, from the verified checkpoint."""
+    from gitrun.app.status_read import quick
+
+    found = quick(run_id, opts)
+    return found if found is not None else through_pygit2(run_id, opts)
+
+
+def through_pygit2(run_id: str, opts: Options) -> RunStatus:
+    """:func:`status` through pygit2: any repository, any object store, a remote."""
+    from gitrun.app.opening import load_verified, open_run
+
     opened = open_run(run_id, opts)
-    rec = opened.record
-    where: dict[str, Any] = {
+    where = where_fields(opened.record, opts, _lease(opened))
+    try:
+        ref, stored = load_verified(opened, check_scenario=False)
+    except CheckpointRejected as exc:
+        return unknown(where, opened.task.id, exc)
+    state, oid = stored.state, str(stored.oid)
+    return RunStatus(**where, **verified_fields(state, ref, oid, opened.env.receipts()))
+
+
+def where_fields(
+    rec: RunRecord, opts: Options, lease: LeaseStatus | UnreadableLease | None
+) -> dict[str, Any]:
+    """Where the run lives, and its lease: what status shows whether or not it verifies."""
+    return {
         "run_id": rec.run_id,
         "repo": rec.repo,
         "worktree": rec.worktree,
@@ -179,25 +211,21 @@ def status(run_id: str, opts: Options) -> RunStatus:
         "task_dir": rec.task_dir,
         "workspace": str(opts.workspace.root),
         "key_file": str(opts.workspace.key_file),
-        "lease": _lease(opened),
+        "lease": lease,
     }
-    try:
-        ref, stored = load_verified(opened, check_scenario=False)
-    except CheckpointRejected as exc:
-        return RunStatus(
-            **where, task_id=opened.task.id, phase="unknown", stop_reason=None, head=None,
-            pending=None, receipts=(), verifier=None, checkpoint=None, checkpoint_error=str(exc),
-        )  # fmt: skip
-    return RunStatus(**where, **_verified(opened, ref, stored))
 
 
-def _verified(opened: Opened, ref: str, stored: Stored) -> dict[str, Any]:
+def unknown(where: dict[str, Any], task_id: str, exc: CheckpointRejected) -> RunStatus:
+    """The status of a run whose checkpoint does not verify: phase ``unknown``, and why."""
+    return RunStatus(
+        **where, task_id=task_id, phase="unknown", stop_reason=None, head=None,
+        pending=None, receipts=(), verifier=None, checkpoint=None, checkpoint_error=str(exc),
+    )  # fmt: skip
+
+
+def verified_fields(s: RunState, ref: str, oid: str, receipts: list[Receipt]) -> dict[str, Any]:
     """The fields of a verified checkpoint (and the receipts on the run's branch)."""
-    s = stored.state
-    checkpoint = CheckpointStatus(
-        s.generation, ref, str(stored.oid), s.env.instance_id, s.budgets, s.review
-    )
-    receipts = opened.env.receipts()
+    checkpoint = CheckpointStatus(s.generation, ref, oid, s.env.instance_id, s.budgets, s.review)
     landed = _landed(s, receipts)
     return {
         "task_id": s.task_id,
@@ -228,8 +256,15 @@ def _landed(s: RunState, receipts: list[Receipt]) -> Receipt | None:
 
 def _lease(opened: Opened) -> LeaseStatus | UnreadableLease | None:
     """The lease as status shows it; a ref rewritten to garbage is shown, not fatal."""
+    from gitrun.store.lease import read_lease
+
     try:
         lease, _ = read_lease(opened.repo, opened.record.run_id)
     except LeaseUnreadable as exc:
         return UnreadableLease(str(exc), exc.oid)
+    return lease_status(lease)
+
+
+def lease_status(lease: Lease | None) -> LeaseStatus | None:
+    """A lease as status shows it: live when it expires after now."""
     return None if lease is None else LeaseStatus(lease, lease.expires_at > time.time())

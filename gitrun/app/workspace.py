@@ -17,18 +17,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import time
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-
-import pygit2
+from typing import TYPE_CHECKING
 
 from gitrun.core.codec import DecodeError, decode, encode
 from gitrun.core.errors import BadInput, Refused, RunTaken, TaskError, UnknownRun
 from gitrun.core.task import Task
-from gitrun.store import gitstore, trees
 from gitrun.store.atomicfile import atomic_dir, atomic_write
+
+if TYPE_CHECKING:
+    # pygit2 loads only where a repository is made or opened here, not for `gitrun status`
+    # (which reads run records; issue #15).
+    import pygit2
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -110,7 +112,7 @@ def check_run_id(run_id: str) -> str:
 
 
 def new_run_id(task_id: str) -> str:
-    return f"{task_id}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    return f"{task_id}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
 
 
 class Workspace:
@@ -206,6 +208,10 @@ class Workspace:
                 f"{Path(task.task_dir) / 'task.toml'}: initial.repo {repo_dir} contains the "
                 f"gitrun workspace {self.root}; name a directory of base files only"
             )
+        import pygit2
+
+        from gitrun.store import gitstore
+
         path = self.root / "repos" / task.id
         with_lock = path.parent / f".{task.id}.create"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,6 +233,8 @@ class Workspace:
 
 def _sandbox_base(repo: pygit2.Repository, task: Task) -> pygit2.Oid:
     """The deterministic base commit of a sandbox, on ``main`` (checked out if new)."""
+    from gitrun.store import gitstore, trees
+
     if task.initial.repo_dir is None:
         raise BadInput(f"task {task.id} ships no repo; pass --repo PATH")
     tree = trees.tree_from_dir(repo, Path(task.initial.repo_dir))
@@ -239,6 +247,10 @@ def _sandbox_base(repo: pygit2.Repository, task: Task) -> pygit2.Oid:
 
 def user_repo(path: Path, commit: str | None) -> tuple[pygit2.Repository, pygit2.Oid]:
     """An existing repository (clean), and its base commit: ``commit`` or HEAD."""
+    import pygit2
+
+    from gitrun.store import gitstore
+
     if not path.exists():
         raise BadInput(f"--repo {path}: no such directory")
     discovered = pygit2.discover_repository(str(path))

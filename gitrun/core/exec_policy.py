@@ -17,7 +17,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +58,8 @@ def pattern_match(command: str, pattern: str) -> bool:
 def command_text(command: str | None, argv: tuple[str, ...] | None) -> str:
     """The one string policy patterns are matched against (an argv, shell-quoted)."""
     if argv is not None:
+        import shlex
+
         return shlex.join(argv)
     return command or ""
 

@@ -15,7 +15,6 @@ at random moments land in it often enough to count.
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 ENV_VAR = "GITRUN_CRASH_AT"
@@ -77,6 +76,8 @@ def point(name: str) -> None:
     stop with SIGSTOP if ``GITRUN_PAUSE_AT`` does."""
     if name not in POINTS:
         raise ValueError(f"unknown crash point {name}")
+    import signal
+
     if _hit(ENV_VAR, name):
         os.kill(os.getpid(), signal.SIGKILL)
     if _hit(PAUSE_VAR, name):

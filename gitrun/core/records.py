@@ -7,7 +7,6 @@ canonical JSON and decodes it strictly (unknown field → error).
 from __future__ import annotations
 
 import base64
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -164,6 +163,8 @@ def _field_bytes(text: str | None, b64: str | None, name: str) -> bytes | None:
 
 def new_key() -> str:
     """A fresh idempotency key, made before any side effect and persisted with the intent."""
+    import uuid
+
     return "k-" + uuid.uuid4().hex
 
 
@@ -231,6 +232,8 @@ class EnvState:
 
 @dataclass(frozen=True)
 class Budgets:
+    """What a run has spent so far: proposals, steps, wall time and cost."""
+
     proposals: int = 0
     steps: int = 0
     wall_seconds: float = 0.0

@@ -55,6 +55,8 @@ class RiskRule:
 
 @dataclass(frozen=True)
 class Policy:
+    """The task's policy: its id and version, and the actions it allows."""
+
     id: str
     version: str
     allowed_actions: tuple[str, ...]
@@ -67,6 +69,8 @@ class Policy:
 
 @dataclass(frozen=True)
 class Budgets:
+    """The task's limits on proposals, steps, wall time and cost."""
+
     max_proposals: int
     max_steps: int
     max_wall_seconds: float
@@ -84,6 +88,8 @@ class Initial:
 
 @dataclass(frozen=True)
 class Task:
+    """A task file as loaded and checked: what a run of it may do and must reach."""
+
     task_dir: str
     id: str
     version: str

@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import secrets
-import shutil
 import stat
 import time
 from collections.abc import Iterator
@@ -131,9 +129,11 @@ def atomic_dir(path: Path, *, mode: int = 0o755) -> Iterator[Path]:
     caller holds a lock that orders every builder of ``path``: a killed builder's
     scratch directory is then provably stale, and removed first.
     """
+    import shutil
+
     for stale in path.parent.glob(f"{temp_prefix(path.name)}*"):
         shutil.rmtree(stale, ignore_errors=True)
-    scratch = path.parent / f"{temp_prefix(path.name)}{secrets.token_hex(8)}"
+    scratch = path.parent / f"{temp_prefix(path.name)}{_temp_token()}"
     scratch.mkdir(mode=mode)
     try:
         yield scratch
@@ -142,6 +142,12 @@ def atomic_dir(path: Path, *, mode: int = 0o755) -> Iterator[Path]:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     fsync_dir(path.parent)
+
+
+def _temp_token() -> str:
+    """The random part of a temp name (os.urandom, as secrets.token_hex reads it: the
+    secrets module is not loaded for `gitrun status`, issue #15)."""
+    return os.urandom(8).hex()
 
 
 def fsync_dir(path: Path) -> None:
@@ -164,7 +170,7 @@ def _make_dirs(directory: Path, mode: int) -> None:
 def _create_temp(dfd: int, name: str, mode: int) -> tuple[int, str]:
     """A new temp file beside ``name`` (never an existing one, never through a link)."""
     for _ in range(_TEMP_TRIES):
-        temp = f"{temp_prefix(name)}{secrets.token_hex(8)}"
+        temp = f"{temp_prefix(name)}{_temp_token()}"
         try:
             return os.open(temp, _TEMP_FLAGS, mode, dir_fd=dfd), temp
         except FileExistsError:

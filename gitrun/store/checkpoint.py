@@ -15,36 +15,33 @@ is that mark or its one successor from the crash window between the two writes.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 
 import pygit2
 
 from gitrun.core import trailer
-from gitrun.core.codec import DecodeError, canonical_bytes, decode, encode
 from gitrun.core.errors import CasFailed, CheckpointRejected, GitrunError, InvalidState
-from gitrun.core.records import SCHEMA_VERSION, RunState
+from gitrun.core.records import RunState
 from gitrun.core.validate import validate_state
 from gitrun.store import gitstore
+from gitrun.store.checkpoint_verify import (
+    CommitParts,
+    ref_gone,
+    run_of_ref,
+    signed_bytes,
+    verify,
+    witness_admits,
+)
+from gitrun.store.checkpoint_verify import message as checkpoint_message
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.witness import Mark, Witness, admit
 
-SIGNATURE_DOMAIN = b"gitrun-checkpoint/1\n"
 SIGNER = pygit2.Signature("gitrun", "gitrun@localhost", 0, 0)
-EMPTY_TREE = pygit2.Oid(hex="4b825dc642cb6eb9a060e54bf8d69288fbee4904")  # git's empty tree
 
 
 def checkpoint_ref(run_id: str, task_id: str, instance_id: str) -> str:
     return f"refs/gitrun/runs/{run_id}/checkpoints/{task_id}/{instance_id}"
-
-
-def run_of_ref(ref: str) -> str:
-    """The run id a checkpoint ref names (``refs/gitrun/runs/<run>/checkpoints/...``)."""
-    parts = ref.split("/")
-    if len(parts) < 6 or parts[:3] != ["refs", "gitrun", "runs"] or parts[4] != "checkpoints":
-        raise CheckpointRejected("wrong-run", f"{ref} is not a gitrun checkpoint ref")
-    return parts[3]
 
 
 def find_checkpoint_refs(repo: pygit2.Repository, run_id: str) -> list[str]:
@@ -60,16 +57,6 @@ class Stored:
     oid: pygit2.Oid
     key_id: str
     committed_at: int
-
-
-def _signed_bytes(ref: str, parent: str, payload: bytes) -> bytes:
-    return SIGNATURE_DOMAIN + ref.encode() + b"\n" + parent.encode() + b"\n" + payload
-
-
-def _message(state: RunState, payload: bytes, key_id: str, mac: str) -> bytes:
-    subject = f"gitrun checkpoint g={state.generation} {state.phase} run={state.run_id}"
-    trailers = trailer.checkpoint_block(state.generation, key_id, mac)
-    return subject.encode() + b"\n\n" + payload + b"\n\n" + trailers.encode()
 
 
 class CheckpointStore:
@@ -117,8 +104,8 @@ class CheckpointStore:
         moves (the caller's compare-and-swap does: a local ref, or a remote's atomic push)."""
         payload = validate_state(state)
         parent = str(expected) if expected is not None else ""
-        key_id, mac = self.keyring.sign(_signed_bytes(ref, parent, payload))
-        message = _message(state, payload, key_id, mac)
+        key_id, mac = self.keyring.sign(signed_bytes(ref, parent, payload))
+        message = checkpoint_message(state, payload, key_id, mac)
         parents = [expected] if expected is not None else []
         oid: pygit2.Oid = self.repo.create_commit(
             None, SIGNER, SIGNER, message.decode(), self.empty_tree(), parents
@@ -170,11 +157,8 @@ class CheckpointStore:
             # the ref at most one generation past it: ref and witness are read together.
             stored = self._load(ref, scenario_parts, offered)
             parents = self._commit(stored.oid).parent_ids
-            here = Mark(stored.state.run_id, ref, stored.state.generation, str(stored.oid))
-            parent = str(parents[0]) if parents else None
-            path = self.witness.path(run_id)
-            if admit(path, self.witness.read(run_id), here, parent):
-                self.witness.write(here)
+            parent = str(parents[0]) if parents else ""
+            witness_admits(self.witness, ref, stored.state, str(stored.oid), parent)
         return stored
 
     def _load(
@@ -182,11 +166,7 @@ class CheckpointStore:
     ) -> Stored:
         head = gitstore.read_ref(self.repo, ref)
         if head is None:
-            raise CheckpointRejected(
-                "high-water-mark-missing",
-                f"{ref} does not exist; no checkpoint can be trusted"
-                + self.witnessed(run_of_ref(ref)),
-            )
+            raise ref_gone(ref, self.witnessed(run_of_ref(ref)))
         if offered is not None and offered != head:
             raise CheckpointRejected(
                 "stale-generation",
@@ -235,40 +215,14 @@ class CheckpointStore:
     def read(self, ref: str, oid: pygit2.Oid) -> Stored:
         """Verify one checkpoint commit's signature and decode it (no scenario check)."""
         commit = self._commit(oid)
-        raw = commit.raw_message
-        subject, payload, trailers = _split(raw, oid)
-        key_id = trailers.get(trailer.KEY_ID, "")
-        signature = trailers.get(trailer.SIGNATURE, "")
-        if not signature.startswith(trailer.HMAC_PREFIX):
-            raise CheckpointRejected(
-                "bad-signature", f"checkpoint {oid} has no HMAC-SHA256 signature"
-            )
-        parent = str(commit.parent_ids[0]) if commit.parent_ids else ""
-        verdict = self.keyring.verify(
-            key_id, _signed_bytes(ref, parent, payload), signature.removeprefix(trailer.HMAC_PREFIX)
+        parts = CommitParts(
+            str(oid),
+            commit.raw_message,
+            str(commit.parent_ids[0]) if commit.parent_ids else "",
+            str(commit.tree_id),
+            lambda: commit.parents[0].message_trailers.get(trailer.CHECKPOINT),
         )
-        if verdict is None:
-            raise CheckpointRejected(
-                "unknown-key", f"checkpoint {oid} is signed with key {key_id!r}, not in the keyring"
-            )
-        if not verdict:
-            raise CheckpointRejected(
-                "bad-signature", f"checkpoint {oid} does not verify with key {key_id}"
-            )
-        state = _decode_state(payload, oid)
-        if canonical_bytes(encode(state)) != payload:
-            raise CheckpointRejected(
-                "corrupt", f"checkpoint {oid} payload is not in canonical form"
-            )
-        # The HMAC covers the payload; the subject and trailers around it (what `git log`
-        # shows) must be exactly what that payload produces, and the tree the empty tree.
-        mac = signature.removeprefix(trailer.HMAC_PREFIX)
-        if raw != _message(state, payload, key_id, mac) or commit.tree_id != EMPTY_TREE:
-            raise CheckpointRejected(
-                "corrupt", f"checkpoint {oid}: subject, trailers or tree are not what it signed"
-            )
-        _check_chain(state, trailers, commit, ref)
-        del subject
+        state, key_id = verify(self.keyring, ref, parts)
         return Stored(state, oid, key_id, int(commit.commit_time))
 
     def _commit(self, oid: pygit2.Oid) -> pygit2.Commit:
@@ -296,58 +250,6 @@ class CheckpointStore:
     def head(self, ref: str) -> pygit2.Oid | None:
         """The high-water mark: the checkpoint commit ``ref`` names, None when absent."""
         return gitstore.read_ref(self.repo, ref)
-
-
-def _split(raw: bytes, oid: pygit2.Oid) -> tuple[bytes, bytes, dict[str, str]]:
-    parts = raw.split(b"\n\n")
-    if len(parts) != 3 or not parts[2].endswith(b"\n"):
-        raise CheckpointRejected("corrupt", f"checkpoint {oid} is not in the checkpoint format")
-    try:
-        trailers = trailer.parse_block(parts[2].decode("utf-8", "replace"))
-    except trailer.MalformedTrailer as exc:
-        raise CheckpointRejected(
-            "corrupt", f"checkpoint {oid} has a malformed trailer {exc.line!r}"
-        ) from None
-    return parts[0], parts[1], trailers
-
-
-def _decode_state(payload: bytes, oid: pygit2.Oid) -> RunState:
-    try:
-        doc = json.loads(payload)
-    except ValueError as exc:
-        raise CheckpointRejected("corrupt", f"checkpoint {oid} payload is not JSON") from exc
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_VERSION:
-        found = doc.get("schema") if isinstance(doc, dict) else None
-        raise CheckpointRejected(
-            "schema-version",
-            f"checkpoint {oid} has schema {found!r}; this gitrun reads schema {SCHEMA_VERSION}",
-        )
-    try:
-        return decode(RunState, doc)
-    except DecodeError as exc:
-        reason = "unknown-fields" if "unknown field" in str(exc) else "schema"
-        raise CheckpointRejected(reason, f"checkpoint {oid}: {exc}") from exc
-
-
-def _check_chain(
-    state: RunState, trailers: dict[str, str], commit: pygit2.Commit, ref: str
-) -> None:
-    if trailers.get(trailer.CHECKPOINT) != str(state.generation):
-        raise CheckpointRejected("corrupt", "generation trailer and payload disagree")
-    if not ref.startswith(f"refs/gitrun/runs/{state.run_id}/checkpoints/{state.task_id}/"):
-        raise CheckpointRejected("wrong-run", f"checkpoint of run {state.run_id} found on {ref}")
-    if not ref.endswith("/" + state.env.instance_id):
-        raise CheckpointRejected("wrong-instance", "checkpoint instance does not match its ref")
-    parents = commit.parents
-    expected_parent_gen = str(state.generation - 1)
-    if parents:
-        parent_gen = parents[0].message_trailers.get(trailer.CHECKPOINT)
-        if parent_gen != expected_parent_gen:
-            raise CheckpointRejected(
-                "generation-gap", f"generation {state.generation} follows {parent_gen}"
-            )
-    elif state.generation != 1:
-        raise CheckpointRejected("generation-gap", f"generation {state.generation} has no parent")
 
 
 _PART_NAMES = {

@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import hmac
 import json
-import secrets
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,10 +48,18 @@ class Keyring:
 
 
 def _new_key_id() -> str:
+    import secrets  # here, not at import: `gitrun status` only verifies (issue #15)
+
     return "hk-" + secrets.token_hex(6)
 
 
 MIN_SECRET_BYTES = 16
+
+
+def _new_secret() -> bytes:
+    import secrets
+
+    return secrets.token_bytes(32)
 
 
 def _create_private(path: Path, data: bytes) -> None:
@@ -86,7 +93,7 @@ def load_keyring(path: Path, create: bool = True) -> Keyring:
         kid = _new_key_id()
         # Another process may create it first: then every process reads theirs.
         with contextlib.suppress(FileExistsError):
-            _create_private(path, _dump(kid, {kid: secrets.token_bytes(32)}))
+            _create_private(path, _dump(kid, {kid: _new_secret()}))
     return _read_keyring(path)
 
 
@@ -126,6 +133,6 @@ def rotate_keyring(path: Path) -> str:
     ring = _read_keyring(path)
     keys = dict(ring._secrets)
     kid = _new_key_id()
-    keys[kid] = secrets.token_bytes(32)
+    keys[kid] = _new_secret()
     _replace_private(path, _dump(kid, keys))
     return kid

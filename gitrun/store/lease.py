@@ -10,10 +10,6 @@ caller's (:func:`fence_guard`).
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import secrets
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,27 +19,18 @@ from typing import TYPE_CHECKING
 
 import pygit2
 
-from gitrun.core.codec import DecodeError, canonical_bytes, decode, encode
+from gitrun.core.codec import canonical_bytes, encode
 from gitrun.core.errors import CasFailed, GitrunError, LeaseHeld, LeaseLost, LeaseUnreadable
 from gitrun.store import gitstore
+from gitrun.store.lease_record import DEFAULT_DURATION as DEFAULT_DURATION  # noqa: PLC0414 - re-export
+from gitrun.store.lease_record import Lease as Lease  # noqa: PLC0414 - re-export
+from gitrun.store.lease_record import default_worker_id as default_worker_id  # noqa: PLC0414
+from gitrun.store.lease_record import lease_from_bytes
+from gitrun.store.lease_record import lease_ref as lease_ref  # noqa: PLC0414 - re-export
 
 if TYPE_CHECKING:
     # filelock (and the logging it pulls in) loads only when a lease is taken or probed.
     import filelock
-
-DEFAULT_DURATION = 30.0
-
-
-@dataclass(frozen=True)
-class Lease:
-    schema: int
-    run_id: str
-    owner_worker: str
-    lease_version: int
-    expires_at: float
-    state_version: int  # checkpoint generation when the lease was last written
-    acquired_at: float
-    renewed_at: float  # last acquire or renewal: how stale the lease is, whatever its duration
 
 
 @dataclass(frozen=True)
@@ -52,15 +39,6 @@ class Fence:
 
     owner: str
     version: int
-
-
-def lease_ref(run_id: str) -> str:
-    return f"refs/gitrun/runs/{run_id}/lease"
-
-
-def default_worker_id() -> str:
-    """Stable and readable: host, pid and a random part."""
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def read_lease(repo: pygit2.Repository, run_id: str) -> tuple[Lease | None, pygit2.Oid | None]:
@@ -82,9 +60,10 @@ def _decode(repo: pygit2.Repository, oid: pygit2.Oid) -> Lease:
     if found is not None:
         return found
     try:
-        lease = decode(Lease, json.loads(gitstore.read_blob(repo, oid)))
-    except (ValueError, DecodeError) as exc:
+        data = gitstore.read_blob(repo, oid)
+    except ValueError as exc:
         raise LeaseUnreadable(str(oid), str(exc)) from exc
+    lease = lease_from_bytes(str(oid), data)
     if len(_decoded) >= _DECODED_MAX:
         _decoded.clear()
     _decoded[(repo.path, oid)] = lease

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ HOLDER_BYTES = 256  # the holder record at the start of every flock file, space-
 WAIT_NOTICE_SECONDS = 1.0  # a running holder this long: one stderr line names it, then wait on
 
 _worker = ""
-_host = socket.gethostname()
+_host = os.uname().nodename  # gethostname(2) on Linux, without importing socket
 
 
 def set_worker(worker: str) -> None:

@@ -10,7 +10,6 @@ repository and run; :class:`gitrun.adapter.environment.Environment` delegates to
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import pygit2
@@ -18,13 +17,10 @@ import pygit2
 from gitrun.core import trailer
 from gitrun.core.contracts import Appended
 from gitrun.core.errors import EnvironmentDrift, ReceiptConflict, ReceiptDrift
-from gitrun.core.records import ADAPTER_NAMESPACE_PREFIX, ADAPTER_VERSION, EXEC, Receipt
+from gitrun.core.records import Receipt
 from gitrun.store import gitstore, trees
 from gitrun.store.lease import Fence, fence_guard
-
-
-def branch_ref(run_id: str) -> str:
-    return f"refs/heads/gitrun/{run_id}"
+from gitrun.store.receipt_read import branch_ref, make_receipt
 
 
 def index_ref(run_id: str, key: str) -> str:
@@ -74,28 +70,14 @@ class GitReceiptLog:
             )
         parent = commit.parents[0]
         paths = sorted(trees.changed_paths(parent.tree, commit.tree))
-        try:
-            lease = trailer.lease_of(trailers)
-        except ValueError as exc:
-            raise ReceiptDrift("trailer", f"commit {commit.id} has a bad Gitrun-Lease") from exc
-        exit_code, output = _exec_trailers(commit, trailers)
-        return Receipt(
-            namespace=ADAPTER_NAMESPACE_PREFIX + self.branch,
-            version=ADAPTER_VERSION,
-            commit=str(commit.id),
-            key=trailers[trailer.IDEMPOTENCY_KEY],
-            intent_digest=trailers.get(trailer.INTENT_DIGEST, ""),
-            action=trailers.get(trailer.ACTION, ""),
-            parent=str(parent.id),
-            tree=str(commit.tree_id),
-            run_id=self.run_id,
-            instance_id=trailers.get(trailer.INSTANCE, ""),
-            lease=lease,
-            approval=trailers.get(trailer.APPROVAL, "none"),
-            committed_at=int(commit.commit_time),
-            paths=tuple(paths),
-            exit_code=exit_code,
-            output=output,
+        return make_receipt(
+            self.run_id,
+            str(commit.id),
+            trailers,
+            str(parent.id),
+            str(commit.tree_id),
+            int(commit.commit_time),
+            paths,
         )
 
     def lookup(self, key: str, since: str | None = None, *, repair: bool = True) -> Receipt | None:
@@ -227,18 +209,6 @@ class GitReceiptLog:
         if found.intent_digest != receipt.intent_digest:
             raise ReceiptConflict(found, receipt.intent_digest)
         return found, False
-
-
-def _exec_trailers(
-    commit: pygit2.Commit, trailers: dict[str, str]
-) -> tuple[int | None, str | None]:
-    """An exec commit's exit code (None: killed at its timeout) and output blob oid."""
-    if trailers.get("Gitrun-Action") != EXEC:
-        return None, None
-    code, output = trailers.get("Gitrun-Exit-Code", ""), trailers.get("Gitrun-Output", "")
-    if not re.fullmatch(r"[0-9a-f]{40}", output) or not re.fullmatch(r"-?[0-9]+|timeout", code):
-        raise ReceiptDrift("trailer", f"exec commit {commit.id} has bad exit or output trailers")
-    return (None if code == "timeout" else int(code)), output
 
 
 __all__ = ["GitReceiptLog", "branch_ref", "index_ref", "output_ref"]

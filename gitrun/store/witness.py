@@ -27,9 +27,9 @@ from pathlib import Path
 
 from gitrun.core import faults
 from gitrun.core.errors import CheckpointRejected, GitrunError, RefLocked
-from gitrun.store import gitstore
-from gitrun.store.atomicfile import atomic_file, read_bytes
+from gitrun.store.atomicfile import atomic_file, fsync_dir, read_bytes
 from gitrun.store.keys import Keyring
+from gitrun.store.oslock import flock
 
 DOMAIN = b"gitrun-witness/1\n"
 VERSION = 1
@@ -81,7 +81,7 @@ class Witness:
         path = self.path(run_id)
         self._ensure_dir()
         try:
-            with gitstore.flock(path.with_name(f".{run_id}.lock"), LOCK_TIMEOUT_SECONDS):
+            with flock(path.with_name(f".{run_id}.lock"), LOCK_TIMEOUT_SECONDS):
                 yield
         except TimeoutError as exc:
             raise RefLocked(
@@ -93,7 +93,7 @@ class Witness:
     def _ensure_dir(self) -> None:
         if not self.directory.is_dir():
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            gitstore.fsync_dir(self.directory.parent)
+            fsync_dir(self.directory.parent)
 
     # -- reading -----------------------------------------------------------------------
 
