@@ -37,6 +37,7 @@ from gitrun.core import trailer
 from gitrun.core.errors import CheckpointRejected, LeaseUnreadable, RefLocked
 from gitrun.core.records import RunState
 from gitrun.core.task import Task, load_task
+from gitrun.store import journal
 from gitrun.store.atomicfile import read_bytes
 from gitrun.store.checkpoint_verify import (
     CommitParts,
@@ -67,6 +68,9 @@ def quick(run_id: str, opts: Options) -> RunStatus | None:
         git = GitReader(record.repo)
     except (Unsupported, OSError):
         return None  # the pygit2 path opens it, or says why it cannot
+    if journal.recovery_pending(Path(git.gitdir)):
+        git.close()
+        return None  # after a power cut: the pygit2 path recovers the journal first
     try:
         return _read(git, record, task, opts)
     except RefLocked:

@@ -44,7 +44,6 @@ import contextlib
 import fcntl
 import os
 import re
-import secrets
 import struct
 import threading
 import zlib
@@ -53,7 +52,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gitrun.core.errors import StorageFailed
-from gitrun.store import durable
 
 JOURNAL_FILE = "gitrun/journal"
 RECOVERED_DIR = "gitrun/recovered"
@@ -155,7 +153,7 @@ def _open(cdir: Path) -> int:
     fd = os.open(temp, flags | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(HEADER * 4, int(os.environ.get(SIZE_VAR) or SIZE)))
-        os.pwrite(fd, _header(secrets.randbits(63), boot_id()), 0)
+        os.pwrite(fd, _header(_random_epoch(), boot_id()), 0)
         os.fsync(fd)
         # One journal, even when processes race to create it: a loser uses the winner's.
         with contextlib.suppress(FileExistsError):
@@ -215,11 +213,36 @@ def _check_boot(cdir: Path, fd: int) -> None:
     _new_epoch(cdir, fd)
 
 
+def _random_epoch() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def recovery_pending(cdir: Path) -> bool:
+    """The repository's journal was last opened by another boot: until a gitrun process
+    that opens the repository (:func:`gitrun.store.gitstore.open_repo`) recovers it, its
+    refs and objects may not be what was acknowledged (``gitrun status``'s reader asks)."""
+    if not boot_id():
+        return False
+    try:
+        fd = os.open(cdir / JOURNAL_FILE, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        head = read_header(fd)
+    finally:
+        os.close(fd)
+    return head is None or head[1] != boot_id()
+
+
 def _new_epoch(cdir: Path, fd: int) -> None:
     """``syncfs`` (everything the journal covered is durable in place), then a fresh
     random epoch: no record of an earlier one is ever read as part of the journal."""
+    from gitrun.store import durable  # loads pygit2: not at import (status's reader)
+
     durable.sync_filesystem(cdir)
-    epoch = secrets.randbits(63)
+    epoch = _random_epoch()
     os.pwrite(fd, _header(epoch, boot_id()), 0)
     _sync(cdir, fd)
     _tails[cdir] = Tail(epoch, 0, HEADER)
@@ -379,5 +402,6 @@ __all__ = [
     "recording",
     "records",
     "recover_if_needed",
+    "recovery_pending",
     "usable",
 ]
