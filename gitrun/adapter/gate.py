@@ -8,7 +8,7 @@ it executes (:meth:`Gate.check_action`), against the tree and the disk as they a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pygit2
@@ -77,6 +77,13 @@ class Gate:
     task: Task
     worktree: Path
     repo: pygit2.Repository
+    # The last action that passed every rule unchanged, and the tree it passed on: the
+    # same action on the same tree passes again (the rules read only the task, the tree,
+    # objects named by id, and the disk, which adds refusals only), so a pending action's
+    # re-check without the disk is not run twice in one process (issue #15).
+    _passed: tuple[Action, pygit2.Oid] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     @property
     def policy(self) -> Policy:
@@ -94,9 +101,14 @@ class Gate:
     def check_action(self, action: Action, tree: pygit2.Tree, *, on_disk: bool = True) -> Action:
         """Every rule but the budgets: the one a pending action passes again when it
         executes (``on_disk=False``: the adapter then checks the disk, as drift)."""
+        if not on_disk and self._passed == (action, tree.id):
+            return action
         disk = WorktreeDisk(self.worktree) if on_disk else None
         rewind = self._rewind(action, tree) if action.kind == REWIND else None
-        return self.rules.check_action(action, GitTree(tree), disk, rewind)
+        checked = self.rules.check_action(action, GitTree(tree), disk, rewind)
+        if checked == action:
+            object.__setattr__(self, "_passed", (action, tree.id))  # frozen: a cache only
+        return checked
 
     def check_budgets(self, used: Budgets, started_at: float) -> None:
         self.rules.check_budgets(used, started_at, time.time())
