@@ -189,7 +189,13 @@ class Receipt:
     output: str | None = optional_field()  # exec: the oid of the bounded output blob
 
     def fingerprint(self) -> str:
-        return digest(encode(self))
+        """The digest of the encoded receipt, computed once per receipt (as
+        :meth:`Action.intent_digest`: frozen, immutable fields; a step asks twice)."""
+        found: str | None = self.__dict__.get("_fingerprint")
+        if found is None:
+            found = digest(encode(self))
+            object.__setattr__(self, "_fingerprint", found)
+        return found
 
 
 @dataclass(frozen=True)
