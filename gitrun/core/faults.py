@@ -53,18 +53,25 @@ POINTS: dict[str, str] = {
 }
 
 _counts: dict[str, dict[str, int]] = {ENV_VAR: {}, PAUSE_VAR: {}}
-# The three variables as this process read them at its first point (pid, values): a step
-# passes ~17 points, and three environment look-ups each were ~1% of its CPU. Read once
-# per process (a fork re-reads): tests set them per child process, never mid-run.
-_env: tuple[int, dict[str, str]] | None = None
+# The three variables as this process read them at its first point: a step passes ~17
+# points, and three environment look-ups each were ~1% of its CPU. Read once per process
+# (a forked child reads them afresh): tests set them per child process, never mid-run.
+_env: dict[str, str] | None = None
+
+
+def _forget_env() -> None:
+    global _env  # noqa: PLW0603 - one cache per process
+    _env = None
+
+
+os.register_at_fork(after_in_child=_forget_env)
 
 
 def _read_env() -> dict[str, str]:
     global _env  # noqa: PLW0603 - one cache per process
-    pid = os.getpid()
-    if _env is None or _env[0] != pid:
-        _env = (pid, {var: os.environ.get(var, "") for var in (ENV_VAR, PAUSE_VAR, DELAY_VAR)})
-    return _env[1]
+    if _env is None:
+        _env = {var: os.environ.get(var, "") for var in (ENV_VAR, PAUSE_VAR, DELAY_VAR)}
+    return _env
 
 
 def _target(spec: str) -> tuple[str, int] | None:
