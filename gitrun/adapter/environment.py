@@ -140,7 +140,7 @@ class Environment(WorktreeFiles):
                 f"{self.worktree} is not the run's environment: its git dir {gitdir} has no "
                 "gitrun instance id (same commit, another worktree)",
             ) from exc
-        here = os.path.realpath(self.worktree)  # str(Path.resolve()), without the Path
+        here = safefs.realpath(self.worktree)  # str(Path.resolve()), without the Path
         if record.get("worktree") != here:
             raise EnvironmentDrift(
                 "other-instance",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pygit2
 
+from gitrun.adapter import safefs
 from gitrun.core.errors import GateRejected
 from gitrun.core.gate_rules import Changes, Rewind, Rules
 from gitrun.core.gate_rules import check_shape as _check_shape
@@ -65,8 +66,8 @@ class WorktreeDisk:
     def escapes(self, path: str) -> bool:
         """``path`` resolves outside the root (what ``Path.resolve`` and ``.parents`` say,
         on strings: ``realpath`` makes both absolute and normalised)."""
-        root = os.path.realpath(self.root)
-        resolved = os.path.realpath(self._joined(path))
+        root = safefs.realpath(self.root)
+        resolved = safefs.realpath(self._joined(path))
         return resolved != root and not resolved.startswith(root.rstrip("/") + "/")
 
     def _joined(self, path: str) -> str:

@@ -34,6 +34,26 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.gitrun-tmp-[0-9a-f]{16}$")
 
 
+def realpath(path: str | os.PathLike[str]) -> str:
+    """``os.path.realpath(path)``, asked of the kernel when the path exists: an ``O_PATH``
+    descriptor's name in ``/proc/self/fd`` (three system calls instead of a Python walk
+    with an ``lstat`` per component, ~6x cheaper; the gate and the instance check ask
+    four times a step). Anything else (absent, a loop, no ``/proc``) takes realpath."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return os.path.realpath(path)
+    try:
+        found = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+    finally:
+        os.close(fd)
+    if not found.startswith("/") or found.endswith(" (deleted)"):
+        return os.path.realpath(path)
+    return found
+
+
 def temp_name(name: str) -> str:
     """A fresh temp file name for ``name`` in the same directory."""
     return f".{name}.gitrun-tmp-{secrets.token_hex(8)}"
