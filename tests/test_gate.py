@@ -20,7 +20,7 @@ from gitrun.app.workspace import Workspace
 from gitrun.core.errors import Exit, GateRejected
 from gitrun.core.records import Action, Budgets
 from gitrun.core.task import load_task
-from gitrun.store import gitstore
+from gitrun.store import gitstore, trees
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -278,6 +278,33 @@ def test_a_valid_action_passes_with_its_path_normalised_and_nothing_written(scen
     patch = Action("apply_patch", patch=_patch("src/app.py", "line 1", "LINE 1"))
     assert scene.gate.check(patch, scene.tree, used, time.time()) == patch
     assert (snapshot(scene.dir), scene.files()) == before
+
+
+def test_the_execute_time_recheck_is_skipped_only_for_the_same_action_on_the_same_tree(
+    scene: Scene,
+) -> None:
+    """The re-check a pending action passes when it executes (no disk) is not run twice
+    for an action that passed unchanged on that tree; any other action or tree is checked."""
+    action = _write("src/app.py")
+    assert scene.gate.check(action, scene.tree, Budgets(), time.time()) == action
+    assert scene.gate.check_action(action, scene.tree, on_disk=False) == action
+    # The same action on a tree where its path is now a symlink: checked, and refused.
+    link = scene.repo.create_blob(b"../config/dev.toml")
+    linked = scene.repo[
+        trees.tree_with_changes(scene.repo, scene.tree, {"src/app.py": (link, trees.LINK)})
+    ]
+    assert isinstance(linked, pygit2.Tree)
+    with pytest.raises(GateRejected) as caught:
+        scene.gate.check_action(action, linked, on_disk=False)
+    assert caught.value.rule == "path-symlink"
+    # Another action on the tree that passed: checked, and refused.
+    with pytest.raises(GateRejected) as caught:
+        scene.gate.check_action(_write("src/secret.py"), scene.tree, on_disk=False)
+    assert caught.value.rule == "path-forbidden"
+    # A path the check normalises is no pass for the raw action: it is checked again.
+    raw = _write("./src/secret.py")
+    with pytest.raises(GateRejected):
+        scene.gate.check_action(raw, scene.tree, on_disk=False)
 
 
 # -- end to end through the CLI ----------------------------------------------------------

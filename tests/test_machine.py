@@ -12,7 +12,7 @@ import ast
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -1556,3 +1556,19 @@ def test_regression_a_receipt_lost_to_a_crash_before_its_checkpoint_is_recorded_
     assert m.recorded == m.executed
     assert len(m.recorded) == 2
     assert [e.kind for e in m.trace] == ["intent", "receipt", "intent", "receipt", "verifier"]
+
+
+def test_run_state_evolve_is_dataclasses_replace() -> None:
+    """``RunState.evolve`` (the machine's cheap replace) copies the fields only: it gives
+    exactly what ``dataclasses.replace`` gives, and a RunState holds nothing but fields."""
+    s, _ = with_intent()
+    changes: dict[str, Any] = {"cursor": 7, "pending": None, "events": (), "trace_chain": "c"}
+    evolved = s.evolve(**changes)
+    assert evolved == replace(s, **changes)
+    assert type(evolved) is RunState
+    assert evolved is not s
+    assert s.cursor != 7
+    assert set(vars(s)) == set(vars(evolved)) == {f.name for f in fields(RunState)}
+    assert encode(evolved) == encode(replace(s, **changes))
+    with pytest.raises(TypeError):
+        s.evolve(no_such_field=1)

@@ -509,3 +509,25 @@ def test_a_user_file_that_looks_like_a_temp_file_elsewhere_is_not_removed(
     assert res.code == Exit.REFUSED, res.out + res.err
     assert "uncommitted-edits" in _one_line(res.err)
     assert mine.read_text() == "mine\n"
+
+
+def test_safefs_realpath_answers_what_os_path_realpath_answers(tmp_path: Path) -> None:
+    """The kernel's name for a path (the gate's escape check and the instance check use
+    it) is realpath's, through links, for absent paths, loops and relative paths alike."""
+    from gitrun.adapter import safefs
+
+    real = tmp_path / "real" / "dir"
+    real.mkdir(parents=True)
+    (real / "file.py").write_text("x\n")
+    (tmp_path / "link").symlink_to(real)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    cases = [
+        real, tmp_path / "link", tmp_path / "link" / "file.py", tmp_path / "link" / "new.py",
+        tmp_path / "absent" / "deeper", tmp_path / "loop", tmp_path / "dangling",
+        tmp_path / "link" / ".." / "dir", Path("."), Path("relative/absent"),
+    ]  # fmt: skip
+    for case in cases:
+        assert safefs.realpath(case) == os.path.realpath(case), case
+        assert safefs.realpath(str(case)) == os.path.realpath(case), case
+    assert safefs.realpath(tmp_path / "link" / "file.py") == str(real / "file.py")

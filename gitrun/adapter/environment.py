@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -130,16 +131,16 @@ class Environment(WorktreeFiles):
 
     def instance_id(self) -> str:
         """The instance id, valid only for the worktree at the path it was made for."""
-        gitdir = Path(self.wt.path)
+        gitdir = self.wt.path.rstrip("/")  # a string: asked twice a step; a Path costs more
         try:
-            record = json.loads(read_bytes(gitdir / INSTANCE_FILE).decode())
+            record = json.loads(read_bytes(os.path.join(gitdir, INSTANCE_FILE)).decode())
         except (OSError, ValueError) as exc:
             raise EnvironmentDrift(
                 "other-instance",
                 f"{self.worktree} is not the run's environment: its git dir {gitdir} has no "
                 "gitrun instance id (same commit, another worktree)",
             ) from exc
-        here = str(self.worktree.resolve())
+        here = safefs.realpath(self.worktree)  # str(Path.resolve()), without the Path
         if record.get("worktree") != here:
             raise EnvironmentDrift(
                 "other-instance",

@@ -7,12 +7,14 @@ it executes (:meth:`Gate.check_action`), against the tree and the disk as they a
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pygit2
 
+from gitrun.adapter import safefs
 from gitrun.core.errors import GateRejected
 from gitrun.core.gate_rules import Changes, Rewind, Rules
 from gitrun.core.gate_rules import check_shape as _check_shape
@@ -59,12 +61,20 @@ class WorktreeDisk:
     root: Path
 
     def is_symlink(self, path: str) -> bool:
-        return (self.root / path).is_symlink()
+        return os.path.islink(self._joined(path))  # Path.is_symlink's answer, on a string
 
     def escapes(self, path: str) -> bool:
-        root = self.root.resolve()
-        resolved = (self.root / path).resolve()
-        return resolved != root and root not in resolved.parents
+        """``path`` resolves outside the root (what ``Path.resolve`` and ``.parents`` say,
+        on strings: ``realpath`` makes both absolute and normalised)."""
+        root = safefs.realpath(self.root)
+        resolved = safefs.realpath(self._joined(path))
+        return resolved != root and not resolved.startswith(root.rstrip("/") + "/")
+
+    def _joined(self, path: str) -> str:
+        """``str(self.root / path)`` without building Paths (a step asks ~5 times)."""
+        parts = [p for p in path.split("/") if p and p != "."]
+        base = "/" if path.startswith("/") else str(self.root)
+        return os.path.join(base, *parts)
 
 
 def check_shape(path: str, tree: pygit2.Tree) -> None:
@@ -77,6 +87,13 @@ class Gate:
     task: Task
     worktree: Path
     repo: pygit2.Repository
+    # The last action that passed every rule unchanged, and the tree it passed on: the
+    # same action on the same tree passes again (the rules read only the task, the tree,
+    # objects named by id, and the disk, which adds refusals only), so a pending action's
+    # re-check without the disk is not run twice in one process (issue #15).
+    _passed: tuple[Action, pygit2.Oid] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     @property
     def policy(self) -> Policy:
@@ -94,9 +111,14 @@ class Gate:
     def check_action(self, action: Action, tree: pygit2.Tree, *, on_disk: bool = True) -> Action:
         """Every rule but the budgets: the one a pending action passes again when it
         executes (``on_disk=False``: the adapter then checks the disk, as drift)."""
+        if not on_disk and self._passed == (action, tree.id):
+            return action
         disk = WorktreeDisk(self.worktree) if on_disk else None
         rewind = self._rewind(action, tree) if action.kind == REWIND else None
-        return self.rules.check_action(action, GitTree(tree), disk, rewind)
+        checked = self.rules.check_action(action, GitTree(tree), disk, rewind)
+        if checked == action:
+            object.__setattr__(self, "_passed", (action, tree.id))  # frozen: a cache only
+        return checked
 
     def check_budgets(self, used: Budgets, started_at: float) -> None:
         self.rules.check_budgets(used, started_at, time.time())

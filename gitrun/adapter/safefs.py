@@ -34,6 +34,26 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.gitrun-tmp-[0-9a-f]{16}$")
 
 
+def realpath(path: str | os.PathLike[str]) -> str:
+    """``os.path.realpath(path)``, asked of the kernel when the path exists: an ``O_PATH``
+    descriptor's name in ``/proc/self/fd`` (three system calls instead of a Python walk
+    with an ``lstat`` per component, ~6x cheaper; the gate and the instance check ask
+    four times a step). Anything else (absent, a loop, no ``/proc``) takes realpath."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return os.path.realpath(path)
+    try:
+        found = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+    finally:
+        os.close(fd)
+    if not found.startswith("/") or found.endswith(" (deleted)"):
+        return os.path.realpath(path)
+    return found
+
+
 def temp_name(name: str) -> str:
     """A fresh temp file name for ``name`` in the same directory."""
     return f".{name}.gitrun-tmp-{secrets.token_hex(8)}"
@@ -125,9 +145,21 @@ def _state(dfd: int, name: str) -> State | None:
         return OTHER, b""
     # O_NONBLOCK: a fifo swapped in after the stat must not hang the reader
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    with os.fdopen(fd, "rb") as fh:
-        data = fh.read()
+    try:
+        data = _read_all(fd, st.st_size)
+    finally:
+        os.close(fd)
     return (EXEC if st.st_mode & stat.S_IXUSR else BLOB), data
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    """Every byte to end of file (bare reads: no file object, its fstat, ioctl, lseeks)."""
+    chunks: list[bytes] = []
+    while True:
+        chunk = os.read(fd, max(size + 1, 65536))
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 def write_file(root: Path, path: str, data: bytes, *, executable: bool) -> None:
@@ -136,9 +168,13 @@ def write_file(root: Path, path: str, data: bytes, *, executable: bool) -> None:
     def make(dfd: int, tmp: str) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            os.fchmod(fh.fileno(), 0o755 if executable else 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, 0o755 if executable else 0o644)
+        finally:
+            os.close(fd)
 
     _replace(root, path, make)
 

@@ -216,7 +216,7 @@ class Rules:
             raise GateRejected("malformed-action", "write_file needs content")
         if action.kind == "delete_file" and tree.mode(path) is None:
             raise GateRejected("missing-path", f"{path} does not exist; nothing to delete")
-        return replace(action, path=path)
+        return action if path == action.path else replace(action, path=path)
 
     def check_budgets(self, used: Budgets, started_at: float, now: float) -> None:
         """Proposals, write steps and wall time left (this segment's time counts too)."""

@@ -138,8 +138,7 @@ def stamp(
 ) -> RunState:
     """The state a checkpoint advance writes (what ``Runtime.commit`` adds to a Persist)."""
     used = replace(state.budgets, wall_seconds=state.budgets.wall_seconds + elapsed)
-    return replace(
-        state,
+    return state.evolve(
         generation=generation,
         budgets=used,
         identity=worker,
@@ -197,7 +196,7 @@ def _proposed(s: RunState, e: Proposed) -> Outcome:
     pending = Pending(e.action, e.key, e.digest, e.risk, e.precondition, None, e.at)
     data = {"key": e.key, "action": e.action.summary(), "digest": e.digest, "risk": e.risk}
     budgets = replace(s.budgets, proposals=s.budgets.proposals + 1)
-    nxt = replace(s, pending=pending, cursor=s.cursor + 1, budgets=budgets).with_events(
+    nxt = s.evolve(pending=pending, cursor=s.cursor + 1, budgets=budgets).with_events(
         Event("intent", e.at, data)
     )
     line = f"intent {e.key}: {e.action.summary()}"
@@ -370,9 +369,9 @@ def _record(s: RunState, p: Pending, r: Receipt, replayed: bool, at: float) -> O
     )
     budgets = replace(s.budgets, steps=s.budgets.steps + 1)
     data = {"receipt": encode(r), "replayed": replayed, "fingerprint": r.fingerprint()}
-    nxt = replace(
-        s, pending=None, env=env, budgets=budgets, receipts=s.receipts.add(r)
-    ).with_events(Event("receipt", at, data))
+    nxt = s.evolve(pending=None, env=env, budgets=budgets, receipts=s.receipts.add(r)).with_events(
+        Event("receipt", at, data)
+    )
     how = "reconciled" if replayed else "committed"
     # No checkpoint of its own: the receipt rides in the run's next one (see the module
     # docstring); until then the write commit is the authority and resume reconciles.

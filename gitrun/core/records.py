@@ -7,7 +7,7 @@ canonical JSON and decodes it strictly (unknown field → error).
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from gitrun.core.codec import DecodeError, digest, encode, optional_field
@@ -190,7 +190,13 @@ class Receipt:
     output: str | None = optional_field()  # exec: the oid of the bounded output blob
 
     def fingerprint(self) -> str:
-        return digest(encode(self))
+        """The digest of the encoded receipt, computed once per receipt (as
+        :meth:`Action.intent_digest`: frozen, immutable fields; a step asks twice)."""
+        found: str | None = self.__dict__.get("_fingerprint")
+        if found is None:
+            found = digest(encode(self))
+            object.__setattr__(self, "_fingerprint", found)
+        return found
 
 
 @dataclass(frozen=True)
@@ -347,12 +353,26 @@ class RunState:
         chain = self.trace_chain
         for ev in events:
             chain = digest([chain, encode(ev)])
-        return replace(
-            self,
+        return self.evolve(
             events=self.events + events,
             trace_count=self.trace_count + len(events),
             trace_chain=chain,
         )
+
+    def evolve(self, **changes: Any) -> RunState:
+        """``dataclasses.replace(self, **changes)`` at an eighth of its cost (a step makes
+        six): the fields copied, then ``changes`` set. Exact for RunState: no
+        ``__post_init__``, every field set by ``__init__``, nothing else in its dict."""
+        if not changes.keys() <= _STATE_FIELDS:
+            return replace(self, **changes)  # the TypeError naming the unknown field
+        new = object.__new__(RunState)
+        values = new.__dict__
+        values.update(self.__dict__)
+        values.update(changes)
+        return new
+
+
+_STATE_FIELDS = frozenset(f.name for f in fields(RunState))
 
 
 def first_state(

@@ -119,7 +119,7 @@ class Runtime:
         )
         self.checkpoint = self.store.advance(self.ref, nxt, self.checkpoint, fence)
         self._segment_start = now
-        self.state = replace(nxt, events=())
+        self.state = nxt.evolve(events=())
         self.lease.maybe_renew(self.state.generation)
 
     # -- the loop ----------------------------------------------------------------------

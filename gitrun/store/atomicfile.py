@@ -33,7 +33,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _TEMP_TRIES = 8
 
 
-def read_bytes(path: Path) -> bytes:
+def read_bytes(path: Path | str) -> bytes:
     """The whole file, as ``Path.read_bytes`` gives it, in an open, the reads and a close
     (``open()`` adds a stat, a tty check and two seeks: this sits on every step)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

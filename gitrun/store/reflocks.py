@@ -57,13 +57,29 @@ class Guard:
     check: Callable[[pygit2.Oid | None], None]
 
 
+# (common dir, ref) -> its flock path and its ``.lock`` path: a step names ~15 of them and
+# building a Path costs more than the flock itself. Bounded: receipt keys are new each step.
+_lock_paths: dict[tuple[Path, str], tuple[Path, Path]] = {}
+_LOCK_PATHS_KEPT = 256
+
+
+def _lock_paths_of(cdir: Path, refname: str) -> tuple[Path, Path]:
+    found = _lock_paths.get((cdir, refname))
+    if found is None:
+        digest = hashlib.sha256(refname.encode()).hexdigest()[:32]
+        found = (Path(f"{cdir}/gitrun/locks/{digest}.flock"), Path(f"{cdir}/{refname}.lock"))
+        if len(_lock_paths) >= _LOCK_PATHS_KEPT:
+            _lock_paths.clear()
+        _lock_paths[(cdir, refname)] = found
+    return found
+
+
 def lock_path(cdir: Path, refname: str) -> Path:
-    digest = hashlib.sha256(refname.encode()).hexdigest()[:32]
-    return Path(f"{cdir}/gitrun/locks/{digest}.flock")
+    return _lock_paths_of(cdir, refname)[0]
 
 
 def ref_lock_file(cdir: Path, refname: str) -> Path:
-    return Path(f"{cdir}/{refname}.lock")
+    return _lock_paths_of(cdir, refname)[1]
 
 
 def _clear_stale_lock(repo: pygit2.Repository, cdir: Path, refname: str) -> None:

@@ -69,11 +69,15 @@ class Witness:
     def __init__(self, directory: Path, keyring: Keyring) -> None:
         self.directory = directory
         self.keyring = keyring
+        self._paths: dict[str, Path] = {}  # an advance asks four times
 
     def path(self, run_id: str) -> Path:
-        if not _RUN_RE.match(run_id):
-            raise GitrunError(f"run id {run_id!r} cannot name a witness file")
-        return self.directory / run_id
+        found = self._paths.get(run_id)
+        if found is None:
+            if not _RUN_RE.match(run_id):
+                raise GitrunError(f"run id {run_id!r} cannot name a witness file")
+            found = self._paths[run_id] = self.directory / run_id
+        return found
 
     @contextlib.contextmanager
     def locked(self, run_id: str) -> Iterator[None]:
