@@ -122,6 +122,7 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool
         objects = durable.staged_closure(repo, cdir, move.new, actual)
         staged = durable.read_staged(cdir, objects) if journal.usable(cdir) else None
         if staged is not None and journal.fits(cdir, sum(len(d) for _, d in staged)):
+            moved = True  # from here _journaled releases the lock itself if it fails
             return _journaled(repo, cdir, move, actual, lock, objects, staged)
         entry = _entry(move.name, actual, move.new, move.message)
         durable.barrier(repo, cdir, objects)
