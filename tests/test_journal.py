@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 import zlib
@@ -240,3 +241,40 @@ def test_a_staged_object_a_power_cut_tore_is_never_published_by_a_later_move(
     assert _stage(repo, "staged, never named\n", REBOOT, "move") == oid
     assert git(repo, "cat-file", "blob", oid) == "staged, never named\n"
     git(repo, "fsck", "--strict")
+
+
+RANDOM_CUTS = int(os.environ.get("GITRUN_RANDOM_CUTS", "6"))
+
+
+def test_power_cuts_at_random_moments_lose_no_acknowledged_step(
+    baseline: Baseline, tmp_path: Path
+) -> None:
+    """``gitrun run`` SIGKILLed at a random moment (uniform over an uninterrupted run's
+    time here), then the worst power cut, then a resume under a new boot id: each ends
+    as the uninterrupted run did (``GITRUN_RANDOM_CUTS``, default 6)."""
+    rng = random.Random(4243)
+    problems: list[str] = []
+    cut = 0
+    for n in range(RANDOM_CUTS):
+        cli = booted(Cli.at(tmp_path / f"home-{n}"), BOOT)
+        args = ["run", str(SANDBOXES / SANDBOX), "--run-id", RUN_ID, "-q"]
+        proc = cli.popen(*args)
+        try:
+            proc.communicate(timeout=rng.uniform(0.0, baseline.seconds))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        registered = (cli.home / "runs" / f"{RUN_ID}.json").exists()
+        journaled = (cli.repo(SANDBOX) / ".git" / "gitrun" / "journal").exists()
+        if not (registered and journaled):
+            continue  # killed before the run existed: nothing to cut
+        cut += 1
+        power_cut(cli, SANDBOX, RUN_ID)
+        after = booted(cli, REBOOT)
+        resumed = after("resume", RUN_ID, "-q")
+        if resumed.returncode != baseline.code:
+            problems.append(f"cut {n}: resume exit {resumed.returncode}: {resumed.stderr[-400:]}")
+            continue
+        problems += [f"cut {n}: {p}" for p in run_invariants(baseline, RUN_ID, after)]
+    assert problems == []
+    assert cut > 0
