@@ -20,7 +20,7 @@ from pygit2.enums import FileMode, FileStatus
 from gitrun.adapter import safefs
 from gitrun.core import faults
 from gitrun.core.errors import EnvironmentDrift
-from gitrun.store import gitstore, journal_recovery, trees
+from gitrun.store import durable, gitstore, journal_recovery, trees
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence
 
@@ -230,6 +230,8 @@ class WorktreeFiles(ABC):
                 None if obj is None else (obj.id, trees.entry_mode(head.tree, path) or 0)
             )
         self.sync_files(parent.tree, head.tree, changes, fence)
+        # The branch moved in an earlier process: its journal record may be gone (rotated).
+        durable.sync_filesystem(gitstore.common_dir(self.repo))
         return True
 
     # -- after a power cut -----------------------------------------------------------
@@ -271,4 +273,7 @@ class WorktreeFiles(ABC):
         (Path(self.wt.path) / "index").unlink(missing_ok=True)
         self.wt.index.read(force=True)  # forget what libgit2 had read of it
         self.sync_index()
+        # Durable before the note goes: a second cut must not keep its removal and lose
+        # these writes (made after the recovery's sync, covered by no journal record).
+        durable.sync_filesystem(gitstore.common_dir(self.repo))
         journal_recovery.clear_recovered(gitstore.common_dir(self.repo), self.branch)

@@ -28,9 +28,13 @@ def recover(cdir: Path, fd: int, epoch: int) -> None:
             break  # a well-checksummed record gitrun cannot read: stop trusting the rest
     for oid, data in replay.objects.items():
         _restore_object(cdir, oid, data)
-    changed = [r for r in replay.refs.values() if _restore_ref(cdir, r)]
-    _mark_recovered(cdir, changed, replay.first_old)
-    restored[cdir] = sorted(r.name for r in replay.refs.values() if _well_formed(r.name))
+    refs = [r for r in replay.refs.values() if _well_formed(r.name)]
+    for ref in refs:
+        _restore_ref(cdir, ref)
+    # Every journaled branch, moved back or not: a cut may keep a ref's rename and lose
+    # the data of the worktree files written after it (ext4 commits names first).
+    _mark_recovered(cdir, refs, replay.first_old)
+    restored[cdir] = sorted(r.name for r in refs)
     _empty_stage(cdir)
 
 
@@ -108,13 +112,8 @@ def _well_formed(name: str) -> bool:
 
 
 def _restore_ref(cdir: Path, ref: journal.RefEntry) -> bool:
-    """Set a journaled ref to its last journaled value; True when that changed it."""
-    if (
-        journal.REF_NAME.fullmatch(ref.name) is None
-        or ".." in ref.name
-        or ref.name.endswith(".lock")
-    ):
-        return False
+    """Set a well-formed journaled ref to its last journaled value; True when that
+    changed it."""
     path = cdir / ref.name
     current = _loose_ref(path)
     if ref.new is None:
@@ -142,11 +141,11 @@ def _loose_ref(path: Path) -> str | None:
 
 
 def _mark_recovered(
-    cdir: Path, changed: Sequence[journal.RefEntry], first_old: dict[str, bytes | None]
+    cdir: Path, refs: Sequence[journal.RefEntry], first_old: dict[str, bytes | None]
 ) -> None:
-    """For each branch recovery moved: the value it had before the lost writes, so the
-    run's worktree can be brought to the recovered HEAD on those paths."""
-    branches = [r for r in changed if r.name.startswith("refs/heads/") and r.new is not None]
+    """For each journaled branch: the value it had before the writes a cut may have
+    taken, so the run's worktree can be brought to the recovered HEAD on those paths."""
+    branches = [r for r in refs if r.name.startswith("refs/heads/") and r.new is not None]
     if not branches:
         return
     where = cdir / journal.RECOVERED_DIR
