@@ -10,6 +10,7 @@ processes, takes away what such a cut may take, and resumes under a new boot id.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,8 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Baseline:
     return make_baseline(SANDBOX, tmp_path_factory.mktemp("journal-attack-baseline"))
 
 
-REPAIR_CALLS = "rename,renameat,renameat2,syncfs,unlink"
+REPAIR_CALLS = "rename,renameat,renameat2,syncfs,unlink,unlinkat"
+NOTE = re.compile(r'"[0-9a-f]{32}\.json"')  # a recovery's note (gitrun/recovered/)
 
 
 def empty_files(worktree: Path, gitdir: Path, since: str | None, tip: str) -> int:
@@ -90,7 +92,7 @@ def test_the_repair_after_a_cut_is_durable_before_the_recovery_note_goes(
     )  # fmt: skip
     assert done.returncode == baseline.code, done.stderr[-800:]
     calls = [m.group(2, 3) for line in log.read_text().splitlines() if (m := LINE.match(line))]
-    note = [i for i, (c, a) in enumerate(calls) if c == "unlink" and "/gitrun/recovered/" in a]
+    note = [i for i, (c, a) in enumerate(calls) if c.startswith("unlink") and NOTE.search(a)]
     assert note, "the repair dropped no note"
     renames = [i for i, (c, _) in enumerate(calls[: note[0]]) if c.startswith("rename")]
     synced = [i for i, (c, _) in enumerate(calls[: note[0]]) if c == "syncfs"]
@@ -121,16 +123,19 @@ while epoch() == first:
 """
 
 
-def _traced_child(tracer: subprocess.Popen[str]) -> int:
-    """The pid of the process ``strace`` started (its one child)."""
-    deadline = time.monotonic() + 30
+def _stopped(log: Path, tracer: subprocess.Popen[str]) -> int:
+    """The pid strace saw stop at its pause point (SIGSTOP)."""
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for task in Path(f"/proc/{tracer.pid}/task").iterdir():
-            children = (task / "children").read_text().split()
-            if children:
-                return int(children[0])
-        time.sleep(0.02)
-    raise AssertionError("strace started nothing")
+        assert tracer.poll() is None, "the run ended before its pause point"
+        found = re.search(
+            r"^(\d+) --- stopped by SIGSTOP", log.read_text() if log.exists() else "", re.M
+        )
+        if found:
+            return int(found.group(1))
+        time.sleep(0.05)
+    tail = log.read_text().splitlines()[-8:] if log.exists() else []
+    raise AssertionError(f"the run never reached its pause point: {tail}")
 
 
 @needs_strace
@@ -149,11 +154,7 @@ def test_a_rotation_between_a_branch_move_and_its_file_sync_loses_no_step(
     argv = [*traced, *cli.argv("run", str(SANDBOXES / SANDBOX), "--run-id", RUN_ID, "-q")]
     tracer = subprocess.Popen(argv, env=paused.env, text=True, cwd=tmp_path)
     try:
-        run = _traced_child(tracer)
-        deadline = time.monotonic() + 60
-        while "stopped by SIGSTOP" not in log.read_text() and time.monotonic() < deadline:
-            assert tracer.poll() is None, "the run ended before its pause point"
-            time.sleep(0.05)
+        run = _stopped(log, tracer)
         repo = cli.repo(SANDBOX)
         branch = f"refs/heads/gitrun/{RUN_ID}"
         tip = git(repo, "rev-parse", branch).strip()
@@ -209,3 +210,100 @@ def test_a_resume_that_finishes_a_file_sync_after_a_rotation_makes_it_durable(
     ack = next(i for i, (c, a) in enumerate(after) if c == "rename" and "/checkpoints/" in a)
     assert any(c == "syncfs" for c, _ in after[:ack]), "the repaired files were never synced"
     assert run_invariants(baseline, RUN_ID, cli) == []
+
+
+# -- a planted journal, stage or temp file never makes recovery touch another file -----
+
+PLANT = """
+import os, sys
+from pathlib import Path
+from gitrun.store import journal
+cdir, oid, data = Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+if not journal.usable(cdir):
+    raise SystemExit("no journal")
+with journal.recording(cdir, [(oid, data)], [journal.RefEntry("refs/gitrun/x", oid, None, "")]):
+    pass
+"""
+OPEN = "import sys; from gitrun.store import gitstore; gitstore.open_repo(sys.argv[1])"
+
+
+def _repo_with_a_planted_record(tmp_path: Path) -> tuple[Path, Path, str]:
+    import hashlib
+    import zlib
+
+    repo = tmp_path / "repo"
+    git(tmp_path, "init", "-q", str(repo))
+    cdir = (repo / ".git").resolve()
+    raw = b"blob 7\0planted"
+    oid = hashlib.sha1(raw, usedforsecurity=False).hexdigest()
+    argv = [sys.executable, "-c", PLANT, str(cdir), oid, zlib.compress(raw).hex()]
+    subprocess.run(argv, env={**os.environ, **BOOT}, check=True, timeout=60)
+    victim = tmp_path / "outside"
+    victim.mkdir()
+    (victim / "precious").mkdir()
+    (victim / "precious" / "file").write_text("keep me\n")
+    (victim / "note").write_text("keep me\n")
+    return repo, cdir, oid
+
+
+def _recover(repo: Path) -> None:
+    env = {**os.environ, **REBOOT}
+    subprocess.run([sys.executable, "-c", OPEN, str(repo)], env=env, check=True, timeout=60)
+
+
+def _intact(victim: Path) -> None:
+    assert (victim / "precious" / "file").read_text() == "keep me\n"
+    assert (victim / "note").read_text() == "keep me\n"
+
+
+def test_recovery_never_empties_a_directory_the_stage_links_to(tmp_path: Path) -> None:
+    repo, cdir, _ = _repo_with_a_planted_record(tmp_path)
+    stage = cdir / "gitrun" / "stage"
+    assert not stage.exists()  # the planting process opened no repository
+    stage.symlink_to(tmp_path / "outside")
+    _recover(repo)
+    _intact(tmp_path / "outside")
+
+
+def test_recovery_never_writes_through_a_planted_temp_file_link(tmp_path: Path) -> None:
+    repo, cdir, oid = _repo_with_a_planted_record(tmp_path)
+    victim = tmp_path / "outside" / "note"
+    (cdir / "refs" / "gitrun").mkdir(parents=True, exist_ok=True)
+    (cdir / "refs" / "gitrun" / "x.recover").symlink_to(victim)
+    (cdir / "objects" / oid[:2]).mkdir(exist_ok=True)
+    (cdir / "objects" / oid[:2] / f".{oid[2:]}.recover").symlink_to(victim)
+    _recover(repo)
+    _intact(tmp_path / "outside")
+    assert git(repo, "cat-file", "blob", "refs/gitrun/x") == "planted"
+
+
+def test_recovery_never_writes_through_a_linked_ref_directory(tmp_path: Path) -> None:
+    repo, cdir, _ = _repo_with_a_planted_record(tmp_path)
+    assert not (cdir / "refs" / "gitrun").exists()
+    (cdir / "refs" / "gitrun").symlink_to(tmp_path / "outside")
+    _recover(repo)
+    assert not (tmp_path / "outside" / "x").exists()
+    _intact(tmp_path / "outside")
+
+
+MAKE_JOURNAL = """
+import os, sys
+from pathlib import Path
+from gitrun.store import journal
+cdir = Path(sys.argv[1])
+(cdir / "gitrun").mkdir(exist_ok=True)
+os.link(sys.argv[2], cdir / "gitrun" / f".journal.tmp-{os.getpid()}")  # a guessed pid
+journal.usable(cdir)
+"""
+
+
+def test_a_hard_link_planted_at_the_journals_temp_name_is_never_truncated(
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    git(tmp_path, "init", "-q", str(repo))
+    victim = tmp_path / "key"
+    victim.write_text("secret key\n")
+    argv = [sys.executable, "-c", MAKE_JOURNAL, str(repo / ".git"), str(victim)]
+    subprocess.run(argv, env={**os.environ, **BOOT}, check=True, timeout=60)
+    assert victim.read_text() == "secret key\n"

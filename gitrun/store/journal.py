@@ -154,8 +154,9 @@ def _open(cdir: Path) -> int:
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".journal.tmp-{os.getpid()}")
-    fd = os.open(temp, flags | os.O_CREAT | os.O_TRUNC, 0o600)
+    # A fresh name, created exclusively: never a file (a hard link) planted in its place.
+    temp = path.with_name(f".journal.tmp-{secrets.token_hex(8)}")
+    fd = os.open(temp, flags | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(HEADER * 4, int(os.environ.get(SIZE_VAR) or SIZE)))
         os.pwrite(fd, _header(secrets.randbits(63), boot_id()), 0)
