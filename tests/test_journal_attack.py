@@ -129,7 +129,7 @@ def _stopped(log: Path, tracer: subprocess.Popen[str]) -> int:
     while time.monotonic() < deadline:
         assert tracer.poll() is None, "the run ended before its pause point"
         found = re.search(
-            r"^(\d+) --- stopped by SIGSTOP", log.read_text() if log.exists() else "", re.M
+            r"^(\d+)\s+--- stopped by SIGSTOP", log.read_text() if log.exists() else "", re.M
         )
         if found:
             return int(found.group(1))
@@ -307,3 +307,47 @@ def test_a_hard_link_planted_at_the_journals_temp_name_is_never_truncated(
     argv = [sys.executable, "-c", MAKE_JOURNAL, str(repo / ".git"), str(victim)]
     subprocess.run(argv, env={**os.environ, **BOOT}, check=True, timeout=60)
     assert victim.read_text() == "secret key\n"
+
+
+INDEX_CALLS = "openat,fdatasync,fsync,syncfs,rename,renameat"
+OPENED = re.compile(r'^openat\(AT_FDCWD, "([^"]+)".*\)\s+=\s+(\d+)')  # one process: no pid
+CALL = re.compile(r"^(\w+)\((.*)\)\s+=\s+(-?\d+)")
+
+
+@needs_strace
+def test_the_worktree_index_is_durable_before_its_base_file_says_it_is_synced(
+    baseline: Baseline, tmp_path: Path
+) -> None:
+    """The index base file (fsynced) tells status which commit the index holds: if it
+    reached the disk and the index's bytes did not (written after the journal last
+    rotated, with no record of the branch to repair it after a cut), status would read
+    a stale or torn index as HEAD's. Traced: each index write is synced before the base."""
+    cli = booted(Cli.at(tmp_path / "home"), BOOT)
+    log = tmp_path / "strace.log"
+    traced = [str(STRACE), "-qq", "-e", f"trace={INDEX_CALLS}", "-o", str(log)]  # gitrun only
+    argv = [*traced, *cli.argv("run", str(SANDBOXES / SANDBOX), "--run-id", RUN_ID, "-q")]
+    done = subprocess.run(
+        argv, env=cli.env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == baseline.code, done.stderr[-800:]
+    index_fds: set[str] = set()
+    pending = False  # an index written, not yet synced
+    checked = 0
+    for line in log.read_text().splitlines():
+        opened = OPENED.match(line)
+        if opened:
+            if opened.group(1).endswith("/worktrees/gitrun-crash/index"):
+                index_fds.add(opened.group(2))
+            continue
+        m = CALL.match(line)
+        if m is None:
+            continue
+        call, args = m.group(1), m.group(2)
+        if call == "rename" and args.split(",")[-1].strip().endswith('/gitrun-crash/index"'):
+            pending = True
+        elif call == "syncfs" or (call in ("fsync", "fdatasync") and args in index_fds):
+            pending = False
+        elif call == "renameat" and '"gitrun-index-base"' in args:
+            checked += 1
+            assert not pending, "the index base file moved on before the index was durable"
+    assert checked > 0
