@@ -351,3 +351,30 @@ def test_the_worktree_index_is_durable_before_its_base_file_says_it_is_synced(
             checked += 1
             assert not pending, "the index base file moved on before the index was durable"
     assert checked > 0
+
+
+@needs_strace
+def test_an_exec_steps_put_back_worktree_is_durable_before_the_next_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Killed after its command ran, before its commit: the resume puts the worktree back
+    to the precondition tree (unsynced writes no journal record names: the branch does
+    not move for them), then runs the command again. A cut after the next checkpoint
+    must not find the discarded effects back on disk, so a sync comes in between."""
+    cli = booted(Cli.at(tmp_path / "home"), BOOT)
+    task = str(SANDBOXES / "rename-api")
+    ran = cli("run", task, "--run-id", RUN_ID, "-q", crash_at="exec_done")
+    assert ran.returncode == -signal.SIGKILL, ran.stderr[-600:]
+    log = tmp_path / "strace.log"
+    traced = [str(STRACE), "-qq", "-e", f"trace={INDEX_CALLS}", "-o", str(log)]  # gitrun only
+    done = subprocess.run(
+        [*traced, *cli.argv("resume", RUN_ID, "-q")], env=cli.env, capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-800:]
+    calls = [m.group(1, 2) for line in log.read_text().splitlines() if (m := CALL.match(line))]
+    files = [i for i, (c, a) in enumerate(calls) if c == "renameat" and ".gitrun-tmp-" in a]
+    assert files, "the resume put nothing back"
+    after = calls[files[0] :]
+    ack = next(i for i, (c, a) in enumerate(after) if c == "rename" and "/checkpoints/" in a)
+    assert any(c == "syncfs" for c, _ in after[:ack]), "the put-back files were never synced"
