@@ -40,7 +40,7 @@ from gitrun.core.errors import (
     Refused,
 )
 from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
-from gitrun.store import durable, gitstore, trees
+from gitrun.store import durable, gitstore, journal, trees
 from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
 from gitrun.store.receipts import GitReceiptLog
@@ -283,16 +283,17 @@ class Environment(WorktreeFiles):
         approval: Approval | None,
     ) -> Outcome:
         """Append the write commit to the receipt log (the branch move: the commit point),
-        then bring the files on disk to the new tree."""
-        appended = self.append_write(oid, head, fence, approval)
-        if appended.replayed:
-            return Outcome(appended.receipt, replayed=True)
-        commit = self.repo[oid]
-        if not isinstance(commit, pygit2.Commit):
-            raise GitrunError(f"{oid} is not a commit")
-        # After update_ref returned: the lease ref's OS lock is taken afresh (flock is per
-        # open file; nesting it inside the ref transaction would deadlock this process).
-        self.sync_files(head.tree, commit.tree, changes, fence)
+        then bring the files on disk to the new tree (as durable as the move: covered)."""
+        with journal.covering(gitstore.common_dir(self.repo)):
+            appended = self.append_write(oid, head, fence, approval)
+            if appended.replayed:
+                return Outcome(appended.receipt, replayed=True)
+            commit = self.repo[oid]
+            if not isinstance(commit, pygit2.Commit):
+                raise GitrunError(f"{oid} is not a commit")
+            # After update_ref returned: the lease ref's OS lock is taken afresh (flock is
+            # per open file; nesting it in the ref transaction would deadlock this process).
+            self.sync_files(head.tree, commit.tree, changes, fence)
         faults.point("after_file_sync")
         return Outcome(appended.receipt, replayed=False)
 

@@ -38,7 +38,7 @@ from gitrun.core import faults
 from gitrun.core.codec import encode
 from gitrun.core.errors import EnvironmentDrift, GateRejected, GitrunError, ReceiptConflict, Refused
 from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
-from gitrun.store import gitstore, trees
+from gitrun.store import durable, gitstore, trees
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.receipts import output_ref
 
@@ -272,7 +272,11 @@ def as_tree_changes(changes: dict[str, shell.Entry | None]) -> dict[str, trees.C
 def put_back(env: Environment, tree: pygit2.Tree, fence: Fence) -> list[str]:
     """Restore the worktree to ``tree`` as the lease holder; the paths discarded."""
     with env.fenced(fence):
-        return shell.restore(env.repo, env.worktree, tree)
+        discarded = shell.restore(env.repo, env.worktree, tree)
+    # Durable now: no journal record names these writes (the branch does not move for
+    # them), and a cut after the next checkpoint must not bring the discarded back.
+    durable.sync_filesystem(gitstore.common_dir(env.repo))
+    return discarded
 
 
 def _keep_output(env: Environment, key: str, output: pygit2.Oid, fence: Fence) -> None:

@@ -9,6 +9,7 @@ paths the index lags on directly, so observations are exact either way, and
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from contextlib import AbstractContextManager
@@ -19,8 +20,8 @@ from pygit2.enums import FileMode, FileStatus
 
 from gitrun.adapter import safefs
 from gitrun.core import faults
-from gitrun.core.errors import EnvironmentDrift
-from gitrun.store import gitstore, journal_recovery, trees
+from gitrun.core.errors import EnvironmentDrift, StorageFailed
+from gitrun.store import durable, gitstore, journal_recovery, trees
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence
 
@@ -180,6 +181,9 @@ class WorktreeFiles(ABC):
         name = (Path(self.wt.path) / "index").resolve().relative_to(gitstore.common_dir(self.repo))
         with gitstore.os_locks(self.repo, [str(name)]):
             index.write()
+        # Its bytes durable before the (fsynced) base file says it holds HEAD: no journal
+        # record repairs an index written after the journal last rotated.
+        _sync_file(Path(self.wt.path) / "index")
         atomic_write(base_file, str(head.id).encode())
 
     @staticmethod
@@ -230,6 +234,8 @@ class WorktreeFiles(ABC):
                 None if obj is None else (obj.id, trees.entry_mode(head.tree, path) or 0)
             )
         self.sync_files(parent.tree, head.tree, changes, fence)
+        # The branch moved in an earlier process: its journal record may be gone (rotated).
+        durable.sync_filesystem(gitstore.common_dir(self.repo))
         return True
 
     # -- after a power cut -----------------------------------------------------------
@@ -271,4 +277,20 @@ class WorktreeFiles(ABC):
         (Path(self.wt.path) / "index").unlink(missing_ok=True)
         self.wt.index.read(force=True)  # forget what libgit2 had read of it
         self.sync_index()
+        # Durable before the note goes: a second cut must not keep its removal and lose
+        # these writes (made after the recovery's sync, covered by no journal record).
+        durable.sync_filesystem(gitstore.common_dir(self.repo))
         journal_recovery.clear_recovered(gitstore.common_dir(self.repo), self.branch)
+
+
+def _sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fdatasync(fd)
+    except OSError as exc:
+        raise StorageFailed(
+            f"the disk holding {path} reported a write error ({exc.strerror}): check the "
+            "disk, then resume the run"
+        ) from exc
+    finally:
+        os.close(fd)

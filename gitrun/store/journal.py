@@ -18,8 +18,11 @@ time, and until it has, the journal holds everything a power cut could take from
   before anything reads a ref: every journaled object whose file is missing or does not
   hash to its id is written again (each journaled object is hash-checked first), every
   journaled ref is set to its last journaled value (a value naming a missing object is
-  left alone), branches whose value recovery changed are listed for their worktrees'
-  repair (:func:`recovered_branches`), then ``syncfs`` and a new epoch.
+  left alone), every journaled branch is listed for its worktree's repair (a cut may
+  keep a ref's rename and lose the files written after it; :func:`recovered_branches`),
+  then ``syncfs`` and a new epoch. Worktree files a step writes after its branch move
+  are covered by that record (:func:`covering`: a ``syncfs`` when another process
+  rotated the journal in between); the repair syncs its own writes before its note goes.
 - When a record does not fit, the journal *rotates*: ``syncfs`` (every name it covered is
   durable now), then a new epoch in the header, and records start again at the top.
 - Appends, rotation and recovery hold the journal's ``flock``, and an append keeps it until
@@ -149,8 +152,9 @@ def _open(cdir: Path) -> int:
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".journal.tmp-{os.getpid()}")
-    fd = os.open(temp, flags | os.O_CREAT | os.O_TRUNC, 0o600)
+    # A fresh name, created exclusively: never a file (a hard link) planted in its place.
+    temp = path.with_name(f".journal.tmp-{secrets.token_hex(8)}")
+    fd = os.open(temp, flags | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(HEADER * 4, int(os.environ.get(SIZE_VAR) or SIZE)))
         os.pwrite(fd, _header(_random_epoch(), boot_id()), 0)
@@ -359,6 +363,27 @@ def _sync(cdir: Path, fd: int) -> None:
         ) from exc
 
 
+def epoch(cdir: Path) -> int | None:
+    """The journal's epoch now (-1: a damaged header; None: no journal, the barrier)."""
+    if not usable(cdir):
+        return None
+    with _locked(cdir) as fd:
+        head = read_header(fd)
+    return -1 if head is None else head[0]
+
+
+@contextlib.contextmanager
+def covering(cdir: Path) -> Iterator[None]:
+    """Files the block writes unsynced after a ref move it makes (a step's worktree files)
+    are as durable as the move: recovery repairs the paths of every branch the epoch
+    journals. When another process rotated the journal in between (the move's record is
+    gone), a ``syncfs`` makes them durable now; a rotation after it synced them itself."""
+    before = epoch(cdir)
+    yield
+    if before is not None and epoch(cdir) != before:
+        durable.sync_filesystem(cdir)
+
+
 def pin(cdir: Path, name: str, value: bytes | None) -> None:
     """Journal ``name``'s real value: a dead move's record for it is never completed."""
     if not usable(cdir):
@@ -393,8 +418,10 @@ __all__ = [
     "Replay",
     "Tail",
     "boot_id",
+    "covering",
     "decode",
     "encode",
+    "epoch",
     "fits",
     "forget",
     "pin",

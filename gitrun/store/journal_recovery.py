@@ -1,15 +1,22 @@
 """Recovery of a journal another boot left: what :mod:`gitrun.store.journal` promises
 after a power cut (its module docstring says what is put back, and what is passed over).
+
+Whoever can plant a journal record can plant links in the git dir too: recovery writes
+and removes only through directories it walked from the common dir with ``O_NOFOLLOW``
+(a link in any component: that entry is passed over), into fresh ``O_EXCL`` temp files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import stat
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gitrun.store import durable, journal
@@ -28,9 +35,13 @@ def recover(cdir: Path, fd: int, epoch: int) -> None:
             break  # a well-checksummed record gitrun cannot read: stop trusting the rest
     for oid, data in replay.objects.items():
         _restore_object(cdir, oid, data)
-    changed = [r for r in replay.refs.values() if _restore_ref(cdir, r)]
-    _mark_recovered(cdir, changed, replay.first_old)
-    restored[cdir] = sorted(r.name for r in replay.refs.values() if _well_formed(r.name))
+    refs = [r for r in replay.refs.values() if _well_formed(r.name)]
+    for ref in refs:
+        _restore_ref(cdir, ref)
+    # Every journaled branch, moved back or not: a cut may keep a ref's rename and lose
+    # the data of the worktree files written after it (ext4 commits names first).
+    _mark_recovered(cdir, refs, replay.first_old)
+    restored[cdir] = sorted(r.name for r in refs)
     _empty_stage(cdir)
 
 
@@ -38,17 +49,74 @@ def _empty_stage(cdir: Path) -> None:
     """Drop every staged object: none was acknowledged (an acknowledged one is published
     and journaled), and a power cut may have torn any of them. Left there, a torn one
     would pass for the object (libgit2 writes no object it finds) and be published by
-    the next move that names it."""
-    stage = cdir / durable.STAGE_DIR
+    the next move that names it. A stage that is a link is not followed."""
+    with _directory(cdir, durable.STAGE_DIR, create=False) as dfd:
+        if dfd is None:
+            return
+        for entry in os.scandir(dfd):
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.stat(entry.name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(entry.name, dir_fd=dfd)
+                else:
+                    os.unlink(entry.name, dir_fd=dfd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def _directory(cdir: Path, rel: str, *, create: bool) -> Iterator[int | None]:
+    """A descriptor of ``cdir/rel`` walked one component at a time, no link followed
+    (made when missing with ``create``); None when it is missing or a link is in the way."""
+    fd = os.open(cdir, _DIR_FLAGS)
     try:
-        fans = list(stage.iterdir())
-    except OSError:
-        return
-    for fan in fans:
-        if fan.is_dir() and not fan.is_symlink():
-            shutil.rmtree(fan, ignore_errors=True)
-        else:
-            fan.unlink(missing_ok=True)
+        for name in rel.split("/"):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+            try:
+                inner = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                inner = -1
+            os.close(fd)
+            fd = inner
+            if fd < 0:
+                break
+        yield fd if fd >= 0 else None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _write_inside(cdir: Path, rel: str, data: bytes) -> bool:
+    """Put ``data`` at ``cdir/rel`` (a fresh temp file renamed over it), never through a
+    link; False when one is in the way or the write fails."""
+    parent, _, name = rel.rpartition("/")
+    with _directory(cdir, parent, create=True) as dfd:
+        if dfd is None or not name:
+            return False
+        temp = f".{name}.recover-{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(temp, flags, 0o644, dir_fd=dfd)
+            try:
+                os.write(fd, data)  # a loose object or a ref: a few kilobytes at most
+            finally:
+                os.close(fd)
+            os.replace(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dfd)
+            return False
+    return True
+
+
+def _remove_inside(cdir: Path, rel: str) -> None:
+    parent, _, name = rel.rpartition("/")
+    with _directory(cdir, parent, create=False) as dfd:
+        if dfd is not None and name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
 
 
 def take_restored(cdir: Path) -> list[str]:
@@ -92,10 +160,7 @@ def _restore_object(cdir: Path, oid: bytes, data: bytes) -> None:
             return
     except OSError:
         pass
-    target.parent.mkdir(exist_ok=True)
-    temp = target.with_name(f".{hexid[2:]}.recover")
-    temp.write_bytes(data)
-    os.replace(temp, target)
+    _write_inside(cdir, f"objects/{hexid[:2]}/{hexid[2:]}", data)
 
 
 def _well_formed(name: str) -> bool:
@@ -108,30 +173,21 @@ def _well_formed(name: str) -> bool:
 
 
 def _restore_ref(cdir: Path, ref: journal.RefEntry) -> bool:
-    """Set a journaled ref to its last journaled value; True when that changed it."""
-    if (
-        journal.REF_NAME.fullmatch(ref.name) is None
-        or ".." in ref.name
-        or ref.name.endswith(".lock")
-    ):
-        return False
+    """Set a well-formed journaled ref to its last journaled value; True when that
+    changed it."""
     path = cdir / ref.name
     current = _loose_ref(path)
     if ref.new is None:
         if current is None:
             return False
-        path.unlink(missing_ok=True)  # a packed value (rare for gitrun's refs) stays
+        _remove_inside(cdir, ref.name)  # a packed value (rare for gitrun's refs) stays
         return True
     hexid = ref.new.hex()
     if not (cdir / "objects" / hexid[:2] / hexid[2:]).is_file():
         return False  # names nothing this repository holds loose: leave the ref alone
     if current == hexid:
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(path.name + ".recover")
-    temp.write_text(hexid + "\n")
-    os.replace(temp, path)
-    return True
+    return _write_inside(cdir, ref.name, f"{hexid}\n".encode())
 
 
 def _loose_ref(path: Path) -> str | None:
@@ -142,20 +198,18 @@ def _loose_ref(path: Path) -> str | None:
 
 
 def _mark_recovered(
-    cdir: Path, changed: Sequence[journal.RefEntry], first_old: dict[str, bytes | None]
+    cdir: Path, refs: Sequence[journal.RefEntry], first_old: dict[str, bytes | None]
 ) -> None:
-    """For each branch recovery moved: the value it had before the lost writes, so the
-    run's worktree can be brought to the recovered HEAD on those paths."""
-    branches = [r for r in changed if r.name.startswith("refs/heads/") and r.new is not None]
+    """For each journaled branch: the value it had before the writes a cut may have
+    taken, so the run's worktree can be brought to the recovered HEAD on those paths."""
+    branches = [r for r in refs if r.name.startswith("refs/heads/") and r.new is not None]
     if not branches:
         return
-    where = cdir / journal.RECOVERED_DIR
-    where.mkdir(parents=True, exist_ok=True)
     for ref in branches:
         old = first_old.get(ref.name)
         name = hashlib.sha256(ref.name.encode()).hexdigest()[:32]
         doc = {"ref": ref.name, "since": old.hex() if old else None}
-        (where / f"{name}.json").write_text(json.dumps(doc))
+        _write_inside(cdir, f"{journal.RECOVERED_DIR}/{name}.json", json.dumps(doc).encode())
 
 
 def recovered_branches(cdir: Path) -> dict[str, str | None]:
@@ -178,4 +232,4 @@ def recovered_branches(cdir: Path) -> dict[str, str | None]:
 
 def clear_recovered(cdir: Path, ref: str) -> None:
     name = hashlib.sha256(ref.encode()).hexdigest()[:32]
-    (cdir / journal.RECOVERED_DIR / f"{name}.json").unlink(missing_ok=True)
+    _remove_inside(cdir, f"{journal.RECOVERED_DIR}/{name}.json")
