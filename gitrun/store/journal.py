@@ -44,6 +44,7 @@ barrier of :mod:`gitrun.store.durable` instead (three ``syncfs`` per move).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -153,7 +154,7 @@ def _open(cdir: Path) -> int:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
     # A fresh name, created exclusively: never a file (a hard link) planted in its place.
-    temp = path.with_name(f".journal.tmp-{secrets.token_hex(8)}")
+    temp = path.with_name(f".journal.tmp-{os.urandom(8).hex()}")
     fd = os.open(temp, flags | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(HEADER * 4, int(os.environ.get(SIZE_VAR) or SIZE)))
@@ -247,8 +248,7 @@ def _new_epoch(cdir: Path, fd: int) -> None:
 
     durable.sync_filesystem(cdir)
     epoch = _random_epoch()
-    os.pwrite(fd, _header(epoch, boot_id()), 0)
-    _sync(cdir, fd)
+    _write(cdir, fd, _header(epoch, boot_id()), 0)
     _tails[cdir] = Tail(epoch, 0, HEADER)
 
 
@@ -341,8 +341,7 @@ def recording(
             tail = _tails[cdir]
         head = struct.pack("<IQQI", _REC_MAGIC, tail.epoch, tail.seq, len(payload))
         crc = zlib.crc32(head + payload)
-        os.pwrite(fd, head + crc.to_bytes(4, "little") + payload, tail.offset)
-        _sync(cdir, fd)
+        _write(cdir, fd, head + crc.to_bytes(4, "little") + payload, tail.offset)
         end = _align(tail.offset + _REC.size + len(payload))
         _tails[cdir] = Tail(tail.epoch, tail.seq + 1, end)
         yield
@@ -353,14 +352,29 @@ def fits(cdir: Path, size: int) -> bool:
     return size + _REC.size <= _sizes.get(cdir, SIZE) // 4
 
 
+def _write(cdir: Path, fd: int, data: bytes, offset: int) -> None:
+    """One record written and made durable, or StorageFailed (nothing acknowledged)."""
+    try:
+        written = os.pwrite(fd, data, offset)
+    except OSError as exc:
+        raise _failed(cdir, exc) from exc
+    if written != len(data):
+        raise _failed(cdir, OSError(errno.EIO, "short write"))
+    _sync(cdir, fd)
+
+
+def _failed(cdir: Path, exc: OSError) -> StorageFailed:
+    return StorageFailed(
+        f"the disk holding {cdir} reported a write error ({exc.strerror}): the last "
+        "change is not acknowledged; check the disk, then resume the run"
+    )
+
+
 def _sync(cdir: Path, fd: int) -> None:
     try:
         os.fdatasync(fd)
     except OSError as exc:
-        raise StorageFailed(
-            f"the disk holding {cdir} reported a write error ({exc.strerror}): the last "
-            "change is not acknowledged; check the disk, then resume the run"
-        ) from exc
+        raise _failed(cdir, exc) from exc
 
 
 def epoch(cdir: Path) -> int | None:
@@ -381,6 +395,8 @@ def covering(cdir: Path) -> Iterator[None]:
     before = epoch(cdir)
     yield
     if before is not None and epoch(cdir) != before:
+        from gitrun.store import durable  # loads pygit2: not at import (status's reader)
+
         durable.sync_filesystem(cdir)
 
 
