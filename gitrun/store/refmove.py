@@ -154,7 +154,9 @@ def _commit_point(
     if move.crash_prefix:
         faults.point(f"{move.crash_prefix}_synced")
     # After the objects are published: a reflog line never names an object still in the
-    # stage (git fsck would call it invalid); it is durable with the move (journal or sync).
+    # stage (git fsck would call it invalid). A barrier move's final sync makes it durable;
+    # a journaled move's line is written back by the kernel in its own time (a power cut
+    # may cut the reflog's tail, which git fsck accepts; recovery does not rewrite it).
     reflog.append(repo, cdir, move.name, actual, move.new, move.message)
     os.rename(lock, cdir / move.name)
 
@@ -276,7 +278,9 @@ def _delete(
     """Remove ``name`` through libgit2 (it may rewrite ``packed-refs``, fsynced), its
     removal journaled first so that no recovery brings back an older journaled value."""
     cdir = common_dir(repo)
-    with repo.transaction() as tx:
+    # covering: a rotation by another process between the record and libgit2's removal
+    # would leave the removal in no record; the block then ends with a syncfs.
+    with journal.covering(cdir), repo.transaction() as tx:
         tx.lock_ref(name)
         if crash_prefix:
             faults.point(f"{crash_prefix}_locked")
