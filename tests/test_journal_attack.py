@@ -65,9 +65,16 @@ def test_a_cut_that_keeps_the_refs_but_not_the_worktree_files_loses_no_step(
     tip = git(gitdir, "rev-parse", branch).strip()
     worktree = Path(cli.record(RUN_ID)["worktree"])
     assert empty_files(worktree, gitdir, base, tip) > 0
-    resumed = booted(cli, REBOOT)("resume", RUN_ID, "-q")
+    _resumed_after_reboot_like_baseline(cli, baseline)
+
+
+def _resumed_after_reboot_like_baseline(cli: Cli, baseline: Baseline) -> None:
+    """``gitrun resume`` under a new boot id (recovery runs), then the uninterrupted
+    run's invariants."""
+    after = booted(cli, REBOOT)
+    resumed = after("resume", RUN_ID, "-q")
     assert resumed.returncode == baseline.code, resumed.stdout + resumed.stderr[-800:]
-    assert run_invariants(baseline, RUN_ID, booted(cli, REBOOT)) == []
+    assert run_invariants(baseline, RUN_ID, after) == []
 
 
 @needs_strace
@@ -175,9 +182,7 @@ def test_a_rotation_between_a_branch_move_and_its_file_sync_loses_no_step(
     assert any(c == "syncfs" for c, _ in after[:ack]), "the files were never made durable"
     worktree = Path(cli.record(RUN_ID)["worktree"])
     assert git(worktree, "diff", "--name-only", f"{tip}^", tip)
-    resumed = booted(cli, REBOOT)("resume", RUN_ID, "-q")
-    assert resumed.returncode == baseline.code, resumed.stdout + resumed.stderr[-800:]
-    assert run_invariants(baseline, RUN_ID, booted(cli, REBOOT)) == []
+    _resumed_after_reboot_like_baseline(cli, baseline)
 
 
 @needs_strace

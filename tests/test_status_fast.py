@@ -22,6 +22,7 @@ import pygit2
 import pytest
 from conftest import SANDBOXES
 from helpers import CLI_ENV, Gitrun, Templates, git, hermetic
+from test_startup import LOADED  # the modules a fresh gitrun process loaded
 
 from gitrun.adapter import environment
 from gitrun.app import status_read
@@ -40,15 +41,6 @@ pytestmark = pytest.mark.timeout(180)
 
 RUN = "r1"
 TASK = "fix-median"
-LOADED = """
-import runpy, sys
-sys.argv = ["gitrun", *sys.argv[1:]]
-try:
-    runpy.run_module("gitrun", run_name="__main__")
-except SystemExit:
-    pass
-print("pygit2" in sys.modules, file=sys.stderr)
-"""
 
 
 @pytest.fixture
@@ -105,10 +97,10 @@ def _handed_over(home: Path) -> None:
 def _loads_pygit2(home: Path, *args: str) -> tuple[bool, str]:
     env = {**os.environ, **CLI_ENV, "GITRUN_HOME": str(home)}
     proc = subprocess.run(
-        [sys.executable, "-c", LOADED, "status", RUN, *args],
+        [sys.executable, "-c", LOADED % (("pygit2",),), "status", RUN, *args],
         capture_output=True, text=True, env=env, timeout=60, check=False,
     )  # fmt: skip
-    return proc.stderr.splitlines()[-1] == "True", proc.stdout
+    return proc.stderr.splitlines()[-1] == "['pygit2']", proc.stdout
 
 
 # -- the same answer, read without pygit2 --------------------------------------------------
