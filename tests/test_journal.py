@@ -20,8 +20,10 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import pytest
 from conftest import SANDBOXES
 from test_crash import RUN_ID, Baseline, Cli, killed, make_baseline, run_invariants
 
+from gitrun.core import faults
 from gitrun.store import journal, journal_recovery
 
 BOOT = {journal.TEST_BOOT_VAR: "00000000-0000-4000-8000-000000000001"}
@@ -185,6 +188,7 @@ def test_recovery_takes_only_objects_that_hash_to_their_names_and_well_formed_re
     script = f"""
 import os, sys
 from pathlib import Path
+from gitrun.core import faults
 from gitrun.store import journal, journal_recovery
 cdir = Path({str(cdir)!r})
 assert journal.usable(cdir)
@@ -278,3 +282,39 @@ def test_power_cuts_at_random_moments_lose_no_acknowledged_step(
         problems += [f"cut {n}: {p}" for p in run_invariants(baseline, RUN_ID, after)]
     assert problems == []
     assert cut > 0
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["T"]
+
+
+def test_a_stopped_holder_of_the_journal_lock_is_named_at_once_not_waited_on(
+    tmp_path: Path,
+) -> None:
+    """A run stopped (SIGSTOP) while it holds the repository's journal lock (between its
+    record and its renames) must not hang every other run of that repository: the next
+    one exits 4 naming the stopped pid and what to do, changes nothing, and runs once
+    the first is let go on."""
+    cli = booted(Cli.at(tmp_path / "home"), BOOT)
+    sandbox = str(SANDBOXES / SANDBOX)
+    paused = booted(cli, {faults.PAUSE_VAR: "write_ref_moved"})
+    first = paused.popen("run", sandbox, "--run-id", "first", "-q")
+    try:
+        deadline = time.monotonic() + 60
+        while not _is_stopped(first.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _is_stopped(first.pid)
+        second = cli("run", sandbox, "--run-id", "second", "-q", timeout=60)
+        assert second.returncode == 4, second.stderr
+        assert f"kill -CONT {first.pid}" in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+        first.communicate(timeout=120)
+    assert first.returncode == 0
+    again = cli("run", sandbox, "--run-id", "second", "-q")
+    assert again.returncode == 0, again.stderr

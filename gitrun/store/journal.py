@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import re
 import struct
@@ -56,8 +55,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gitrun.core.errors import StorageFailed
+from gitrun.store import oslock
+from gitrun.store.atomicfile import fsync_dir
 
 JOURNAL_FILE = "gitrun/journal"
+LOCK_FILE = "gitrun/locks/journal.flock"
+LOCK_SECONDS = 30.0  # as a ref's OS lock (gitrun.store.reflocks)
 RECOVERED_DIR = "gitrun/recovered"
 SIZE = 4 << 20
 SIZE_VAR = "GITRUN_JOURNAL_BYTES"  # a new journal's size (tests shrink it to rotate often)
@@ -171,14 +174,6 @@ def _open(cdir: Path) -> int:
     return fd
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _header(epoch: int, boot: str) -> bytes:
     raw = boot.encode("ascii", "replace")[:36].ljust(36, b"\0")
     crc = zlib.crc32(_MAGIC + epoch.to_bytes(8, "little") + raw)
@@ -197,13 +192,17 @@ def read_header(fd: int) -> tuple[int, str] | None:
 
 @contextlib.contextmanager
 def _locked(cdir: Path) -> Iterator[int]:
-    with _thread_lock:
-        fd = _fds[cdir]
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    """The journal's lock: an OS lock with a holder record, as every ref's (a holder seen
+    stopped is named at once, a running one after 30 s: exit 4), never a silent wait."""
+    lock, name = cdir / LOCK_FILE, str(cdir / JOURNAL_FILE)
+    with _thread_lock, contextlib.ExitStack() as held:
         try:
-            yield fd
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            if not lock.parent.is_dir():
+                lock.parent.mkdir(parents=True, exist_ok=True)
+            held.enter_context(oslock.flock(lock, LOCK_SECONDS, oslock.waiting(name, 30)))
+        except oslock.LockBusy as exc:
+            raise oslock.busy_error(name, exc, LOCK_SECONDS) from exc
+        yield _fds[cdir]
 
 
 def _check_boot(cdir: Path, fd: int) -> None:
