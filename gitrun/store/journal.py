@@ -61,7 +61,6 @@ from gitrun.store.atomicfile import fsync_dir
 JOURNAL_FILE = "gitrun/journal"
 LOCK_FILE = "gitrun/locks/journal.flock"
 LOCK_SECONDS = 30.0  # as a ref's OS lock (gitrun.store.reflocks)
-RECOVERED_DIR = "gitrun/recovered"
 SIZE = 4 << 20
 SIZE_VAR = "GITRUN_JOURNAL_BYTES"  # a new journal's size (tests shrink it to rotate often)
 HEADER = 4096
@@ -143,8 +142,10 @@ def usable(cdir: Path) -> bool:
     except OSError:
         _unusable.add(cdir)  # read-only or full: the barrier still makes moves durable
         return False
-    with _locked(cdir) as fd:
-        _check_boot(cdir, fd)
+    head = read_header(_fds[cdir])  # unlocked: a reader (a refused resume) writes nothing
+    if head is None or head[1] != boot_id():
+        with _locked(cdir) as fd:
+            _check_boot(cdir, fd)
     return True
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gitrun.store import durable, journal
 
+RECOVERED_DIR = "gitrun/recovered"  # a note per branch to repair, until its run's resume
 restored: dict[Path, list[str]] = {}  # refs the last recovery set, for their stale locks
 
 
@@ -209,13 +210,13 @@ def _mark_recovered(
         old = first_old.get(ref.name)
         name = hashlib.sha256(ref.name.encode()).hexdigest()[:32]
         doc = {"ref": ref.name, "since": old.hex() if old else None}
-        _write_inside(cdir, f"{journal.RECOVERED_DIR}/{name}.json", json.dumps(doc).encode())
+        _write_inside(cdir, f"{RECOVERED_DIR}/{name}.json", json.dumps(doc).encode())
 
 
 def recovered_branches(cdir: Path) -> dict[str, str | None]:
     """Branch -> the commit it held before writes a power cut lost and recovery put back
     (None: the branch was new). Empty when no recovery left any."""
-    where = cdir / journal.RECOVERED_DIR
+    where = cdir / RECOVERED_DIR
     out: dict[str, str | None] = {}
     try:
         entries = list(where.iterdir())
@@ -232,4 +233,4 @@ def recovered_branches(cdir: Path) -> dict[str, str | None]:
 
 def clear_recovered(cdir: Path, ref: str) -> None:
     name = hashlib.sha256(ref.encode()).hexdigest()[:32]
-    _remove_inside(cdir, f"{journal.RECOVERED_DIR}/{name}.json")
+    _remove_inside(cdir, f"{RECOVERED_DIR}/{name}.json")
