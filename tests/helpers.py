@@ -372,3 +372,12 @@ class RunCopy:
 
     def submit(self, evidence: Signed) -> None:
         submit(gitstore.open_repo(self.repo), self.RUN, self.INBOX, evidence)
+
+
+def stopped(pid: int) -> bool:
+    """The process ``pid`` is stopped (SIGSTOP: state T in /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["T"]

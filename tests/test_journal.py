@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SANDBOXES
+from helpers import stopped
 from test_crash import RUN_ID, Baseline, Cli, killed, make_baseline, run_invariants
 
 from gitrun.core import faults
@@ -284,14 +285,6 @@ def test_power_cuts_at_random_moments_lose_no_acknowledged_step(
     assert cut > 0
 
 
-def _is_stopped(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] == ["T"]
-
-
 def test_a_stopped_holder_of_the_journal_lock_is_named_at_once_not_waited_on(
     tmp_path: Path,
 ) -> None:
@@ -305,9 +298,9 @@ def test_a_stopped_holder_of_the_journal_lock_is_named_at_once_not_waited_on(
     first = paused.popen("run", sandbox, "--run-id", "first", "-q")
     try:
         deadline = time.monotonic() + 60
-        while not _is_stopped(first.pid) and time.monotonic() < deadline:
+        while not stopped(first.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _is_stopped(first.pid)
+        assert stopped(first.pid)
         second = cli("run", sandbox, "--run-id", "second", "-q", timeout=60)
         assert second.returncode == 4, second.stderr
         assert f"kill -CONT {first.pid}" in second.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import remote_helpers
 from conftest import SANDBOXES, Gitrun
-from helpers import one_line
+from helpers import one_line, stopped
 from remote_helpers import Daemon, hermetic_git
 
 from gitrun.core.errors import Exit
@@ -74,14 +74,6 @@ def test_a_run_killed_on_machine_a_is_resumed_on_machine_b_and_every_write_lands
     assert machines.writes_on_remote("r1") == keys
 
 
-def _stopped(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] == ["T"]
-
-
 def _refs(git_dir: str, run_id: str) -> dict[str, str]:
     out = hermetic_git(
         f"--git-dir={git_dir}", "for-each-ref", "--format=%(refname) %(objectname)",
@@ -98,9 +90,9 @@ def test_a_partition_mid_run_exits_9_naming_the_remote_and_the_run_resumes_once_
     proc = a.popen(*args, *machines.args("a"), GITRUN_PAUSE_AT="after_file_sync", **FAST)
     try:
         deadline = time.monotonic() + 60
-        while not _stopped(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        while not stopped(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _stopped(proc.pid), "the run never reached its pause point"
+        assert stopped(proc.pid), "the run never reached its pause point"
         git_daemon.stop()  # the partition, while the worker is between two steps
         os.kill(proc.pid, signal.SIGCONT)
         _, err = proc.communicate(timeout=60)

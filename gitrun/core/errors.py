@@ -131,6 +131,14 @@ class StorageFailed(GitrunError, OSError):
     """The disk reported a write error at a durability barrier: nothing after it is
     acknowledged (exit 70, like any failure of gitrun's own machinery)."""
 
+    @classmethod
+    def on(cls, where: object, why: str) -> StorageFailed:
+        """The one message of a write error on the disk holding ``where``."""
+        return cls(
+            f"the disk holding {where} reported a write error ({why}): the last "
+            "change is not acknowledged; check the disk, then resume the run"
+        )
+
 
 class CasFailed(GitrunError, RuntimeError):
     """A compare-and-swap lost: the ref no longer held the expected value."""

@@ -76,10 +76,7 @@ def sync_filesystem(path: Path) -> None:
         return
     if _syncfs(fd) != 0:
         err = ctypes.get_errno()
-        raise StorageFailed(
-            f"the disk holding {path} reported a write error ({os.strerror(err)}): the last "
-            "change is not acknowledged; check the disk, then resume the run"
-        )
+        raise StorageFailed.on(path, os.strerror(err))
 
 
 def attach_stage(repo: pygit2.Repository, cdir: Path) -> None:

@@ -364,10 +364,7 @@ def _write(cdir: Path, fd: int, data: bytes, offset: int) -> None:
 
 
 def _failed(cdir: Path, exc: OSError) -> StorageFailed:
-    return StorageFailed(
-        f"the disk holding {cdir} reported a write error ({exc.strerror}): the last "
-        "change is not acknowledged; check the disk, then resume the run"
-    )
+    return StorageFailed.on(cdir, exc.strerror or str(exc))
 
 
 def _sync(cdir: Path, fd: int) -> None:
