@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Gitrun, git
+from helpers import one_line
 
 from gitrun.core.errors import Exit
 
@@ -234,6 +237,66 @@ def test_chmod_and_symlinks_made_by_the_command_are_captured(
     assert_clean_at(gitrun, tip)
 
 
+COUNTING = (
+    "for i in $(seq 150); do echo $i >> geometry/count.txt; sleep 0.02; done; "
+    "sed -i 's/calc_area/circle_area/g' geometry/*.py"
+)
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(name))
+    return kids
+
+
+def test_a_resume_puts_the_worktree_back_only_once_the_killed_runs_command_is_dead(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], reap: list[subprocess.Popen[str]]
+) -> None:
+    """gitrun SIGKILLed mid-command, its supervisor held up (SIGSTOP) before it can end
+    the command: the command goes on appending. A resume must not put the worktree back
+    and re-run while it lives (the old command's writes would land on the put-back tree);
+    it waits, and once the supervisor ends the command, re-runs it exactly once."""
+    task = task_with(sandbox_copy, [{"command": COUNTING}])
+    run = gitrun.popen("run", str(task), "--run-id", RUN, "--isolation", "none")
+    reap.append(run)
+    deadline = time.monotonic() + 60
+    while (
+        not (gitrun.home / "runs" / f"{RUN}.json").exists()
+        or not (worktree(gitrun) / "geometry" / "count.txt").exists()
+    ):
+        assert run.poll() is None, run.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    supervisors = children_of(run.pid)
+    assert len(supervisors) == 1, supervisors
+    os.kill(supervisors[0], signal.SIGSTOP)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    count = worktree(gitrun) / "geometry" / "count.txt"
+    seen = len(count.read_text().split())
+    resume = gitrun.popen("resume", RUN)
+    reap.append(resume)
+    time.sleep(2.0)
+    assert resume.poll() is None, resume.communicate()  # waiting for the old command's end
+    assert len(count.read_text().split()) > seen  # which is still running, unswept
+    os.kill(supervisors[0], signal.SIGCONT)
+    _, err = resume.communicate(timeout=90)
+    assert resume.returncode == Exit.DONE, err
+    assert "discarded its unproven effects on geometry/count.txt" in err
+    assert len(commits(gitrun)) == 1
+    tip = git(gitrun.repo("rename-api"), "show", f"{branch(gitrun)}:geometry/count.txt")
+    assert tip.split() == [str(i) for i in range(1, 151)]  # one whole run, nothing of the old
+    assert_clean_at(gitrun, branch(gitrun))
+
+
 @pytest.mark.parametrize(
     ("command", "rule"),
     [
@@ -410,3 +473,26 @@ def test_resume_refuses_an_exec_commit_whose_output_was_swapped_for_another(
     assert git(repo, "for-each-ref") == before
     git(repo, "update-ref", branch(gitrun), tip)  # the true commit back: resume accepts it
     assert gitrun("resume", RUN).code == Exit.DONE
+
+
+def test_a_link_planted_at_the_exec_lock_is_refused_and_its_target_left_alone(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The lock file's holder record is written into it: through a planted link it would
+    overwrite whatever the link names (an unconfined command can plant one)."""
+    task = task_with(
+        sandbox_copy, [{"command": "echo one > geometry/one.txt"}, {"command": COUNTING}]
+    )
+    assert gitrun("run", str(task), "--run-id", RUN, GITRUN_CRASH_AT="exec_done:2").code == -9
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file\n")
+    gitdir = Path(git(worktree(gitrun), "rev-parse", "--absolute-git-dir").strip())
+    (gitdir / "gitrun-exec.flock").unlink()
+    (gitdir / "gitrun-exec.flock").symlink_to(victim)
+    res = gitrun("resume", RUN)
+    line = one_line(res.err)
+    assert res.code == Exit.REFUSED, res.err
+    assert "gitrun-exec.flock is a symbolic link" in line
+    assert "remove it" in line
+    assert victim.read_text() == "the user's file\n"
+    assert len(commits(gitrun)) == 1

@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,9 +37,16 @@ from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import Confinement
 from gitrun.core import faults
 from gitrun.core.codec import encode
-from gitrun.core.errors import EnvironmentDrift, GateRejected, GitrunError, ReceiptConflict, Refused
+from gitrun.core.errors import (
+    EnvironmentDrift,
+    GateRejected,
+    GitrunError,
+    LeaseHeld,
+    ReceiptConflict,
+    Refused,
+)
 from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
-from gitrun.store import durable, gitstore, trees
+from gitrun.store import durable, gitstore, oslock, trees
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.receipts import output_ref
 
@@ -47,6 +55,8 @@ if TYPE_CHECKING:
 
 TIMEOUT = "timeout"
 STARTED_FILE = "gitrun-exec-started"  # in the worktree's git dir: the key last started
+RUNNING_LOCK = "gitrun-exec.flock"  # ditto: held while a command of this worktree lives
+RUNNING_WAIT_SECONDS = 20.0  # the supervisor's sweep takes at most ~5 s
 
 
 class ExecRefused(GateRejected):
@@ -198,14 +208,36 @@ def _run_on_clean_tree(
             f"{', '.join(sorted(dirty)[:5])} differ from HEAD in {env.worktree}; an exec step "
             "runs only on the precondition tree",
         )
-    with env.fenced(fence):  # the lease is current (checked under its OS lock) as it starts
-        _mark_started(env, key)
-    ran = shell.run(
-        action, env.worktree, confinement=ctx.confinement, hidden=ctx.hidden,
-        heartbeat=ctx.heartbeat,
-    )  # fmt: skip
+    with command_gone(env) as held:
+        with env.fenced(fence):  # the lease is current (checked under its OS lock) as it starts
+            _mark_started(env, key)
+        ran = shell.run(
+            action, env.worktree, confinement=ctx.confinement, hidden=ctx.hidden,
+            heartbeat=ctx.heartbeat, hold=held,
+        )  # fmt: skip
     faults.point("exec_done")
     return ran
+
+
+@contextmanager
+def command_gone(env: Environment) -> Iterator[int]:
+    """The worktree's exec lock (in its private git dir), taken once no command started
+    in it lives. The exec's supervisor is handed the lock and keeps it until the command's
+    whole tree is dead — so when gitrun is killed mid-command, a resume that takes it
+    knows nothing of the old command can still write to the worktree it puts back."""
+    path = Path(env.wt.path) / RUNNING_LOCK
+    try:
+        with oslock.flock(path, RUNNING_WAIT_SECONDS) as fd:
+            yield fd
+    except oslock.LockBusy as exc:
+        holder = exc.holder.describe() if exc.holder else "a process that left no record"
+        raise LeaseHeld(
+            "exec",
+            0.0,
+            f"an earlier exec command in {env.worktree} is still being ended after "
+            f"{RUNNING_WAIT_SECONDS:.0f}s (its lock {path} was taken by {holder}): "
+            f"find the process holding it (fuser {path}), end it, then resume",
+        ) from exc
 
 
 def _mark_started(env: Environment, key: str) -> None:
@@ -270,8 +302,9 @@ def as_tree_changes(changes: dict[str, shell.Entry | None]) -> dict[str, trees.C
 
 
 def put_back(env: Environment, tree: pygit2.Tree, fence: Fence) -> list[str]:
-    """Restore the worktree to ``tree`` as the lease holder; the paths discarded."""
-    with env.fenced(fence):
+    """Restore the worktree to ``tree`` as the lease holder, once no earlier command of
+    it lives (:func:`command_gone`); the paths discarded."""
+    with command_gone(env), env.fenced(fence):
         discarded = shell.restore(env.repo, env.worktree, tree)
     # Durable now: no journal record names these writes (the branch does not move for
     # them), and a cut after the next checkpoint must not bring the discarded back.

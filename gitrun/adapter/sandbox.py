@@ -363,12 +363,15 @@ def spawn(
     confinement: Confinement,
     layout: Layout | None,
     err: IO[bytes] | None = None,
+    hold: int | None = None,
 ) -> Supervised:
     """Start ``argv`` in ``cwd`` under the supervisor, in bwrap when ``confinement`` says.
 
     Its stdout goes to ``log``, its stderr to ``err`` — or into ``log`` too, interleaved,
     without one (the verifier's single log). bwrap's and the supervisor's own complaints
-    land where the command's stderr does.
+    land where the command's stderr does. ``hold``: a descriptor (an flock) the supervisor
+    keeps open until the command's whole tree is dead — after gitrun too, when it is
+    killed — and the command never sees.
     """
     wrap: list[str] = []
     if confinement.confined:
@@ -378,11 +381,17 @@ def spawn(
     return supervise(
         argv, wrap, confined=confinement.confined, cwd=cwd, stdin=subprocess.DEVNULL,
         stdout=log, stderr=subprocess.STDOUT if err is None else err, env=env,
+        hold=() if hold is None else (hold,),
     )  # fmt: skip
 
 
 def supervise(
-    argv: Sequence[str], wrap: Sequence[str] = (), *, confined: bool, **popen: Any
+    argv: Sequence[str],
+    wrap: Sequence[str] = (),
+    *,
+    confined: bool,
+    hold: Sequence[int] = (),
+    **popen: Any,
 ) -> Supervised:
     """Start ``argv`` under the supervisor (inside ``wrap``, e.g. bwrap's own argv), in
     its own session; it dies with us through the alive pipe only we hold the write end of.
@@ -392,7 +401,9 @@ def supervise(
     inner = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), "--"]
     full = [*wrap, *inner, *argv]
     try:
-        proc = subprocess.Popen(full, start_new_session=True, pass_fds=(alive_r, status_w), **popen)
+        proc = subprocess.Popen(
+            full, start_new_session=True, pass_fds=(alive_r, status_w, *hold), **popen
+        )
     except OSError as exc:
         for fd in (alive_w, status_r):
             os.close(fd)

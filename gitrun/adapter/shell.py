@@ -98,9 +98,11 @@ def run(
     hidden: Hidden,
     heartbeat: Callable[[], None] | None = None,
     heartbeat_interval: float = 1.0,
+    hold: int | None = None,
 ) -> Ran:
     """Run ``action``'s command in ``worktree``/``cwd``, killed after its timeout; its
-    stdout and stderr captured apart (two files), each bounded."""
+    stdout and stderr captured apart (two files), each bounded. ``hold``: a descriptor
+    its supervisor keeps until the command's tree is dead (see :func:`sandbox.spawn`)."""
     worktree = worktree.resolve()
     cwd = worktree / action.cwd if action.cwd else worktree
     timeout = action.timeout_seconds or 60.0
@@ -115,7 +117,7 @@ def run(
             env = child_env(action, home, confined=confinement.confined)
             child = sandbox.spawn(
                 argv_of(action), cwd=cwd, env=env, log=log, err=err,
-                confinement=confinement, layout=layout,
+                confinement=confinement, layout=layout, hold=hold,
             )  # fmt: skip
             start = time.monotonic()
             try:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from gitrun.core.errors import LeaseHeld
+from gitrun.core.errors import LeaseHeld, Refused
 
 STOPPED_HOLDER_SECONDS = 0.5  # a lock holder seen stopped (SIGSTOP) this long is reported
 HOLDER_BYTES = 256  # the holder record at the start of every flock file, space-padded
@@ -94,7 +94,7 @@ def _busy_holder(path: Path, seen: Holder | None) -> tuple[Holder | None, bool]:
 @contextmanager
 def flock(
     path: Path, timeout: float, on_wait: Callable[[Holder | None], None] | None = None
-) -> Iterator[None]:
+) -> Iterator[int]:
     """An exclusive kernel lock on ``path`` (the same lock ``filelock`` takes on POSIX),
     held until the block ends or the process dies; its holder (pid, worker, host, since)
     is written at the start of the file. :class:`LockBusy` after ``timeout``, or at once
@@ -102,9 +102,19 @@ def flock(
     holder is waited on, ``on_wait(holder)`` called once after :data:`WAIT_NOTICE_SECONDS`.
 
     A bare ``flock`` on a fresh descriptor: ~10x cheaper than a FileLock object, and it
-    sits on every write path (the holder record is one ``pwrite``, no fsync).
+    sits on every write path (the holder record is one ``pwrite``, no fsync). The block
+    gets the descriptor: a process it is passed to holds the lock for as long as it lives.
+    Never opened through a planted link (the holder record would overwrite its target).
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if not path.is_symlink():
+            raise
+        raise Refused(
+            f"{path} is a symbolic link, not gitrun's lock file (something planted it): "
+            "remove it, then retry"
+        ) from exc
     try:
         start = time.monotonic()
         next_look, seen = start + STOPPED_HOLDER_SECONDS / 2, None
@@ -126,7 +136,7 @@ def flock(
                     raise LockBusy(path, read_holder(path), stopped=False) from None
                 time.sleep(0.005)
         os.pwrite(fd, _holder_record(), 0)
-        yield
+        yield fd
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 

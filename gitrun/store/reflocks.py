@@ -127,5 +127,5 @@ def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]
         yield
 
 
-def _ref_flock(path: Path, name: str) -> AbstractContextManager[None]:
+def _ref_flock(path: Path, name: str) -> AbstractContextManager[int]:
     return flock(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
