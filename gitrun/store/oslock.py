@@ -106,15 +106,7 @@ def flock(
     gets the descriptor: a process it is passed to holds the lock for as long as it lives.
     Never opened through a planted link (the holder record would overwrite its target).
     """
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        if not path.is_symlink():
-            raise
-        raise Refused(
-            f"{path} is a symbolic link, not gitrun's lock file (something planted it): "
-            "remove it, then retry"
-        ) from exc
+    fd = _open_lock_file(path)
     try:
         start = time.monotonic()
         next_look, seen = start + STOPPED_HOLDER_SECONDS / 2, None
@@ -139,6 +131,18 @@ def flock(
         yield fd
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def _open_lock_file(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if not path.is_symlink():
+            raise
+        raise Refused(
+            f"{path} is a symbolic link, not gitrun's lock file (something planted it): "
+            "remove it, then retry"
+        ) from exc
 
 
 def busy_error(name: str, exc: LockBusy, timeout: float) -> LeaseHeld:

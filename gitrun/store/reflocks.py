@@ -59,15 +59,20 @@ class Guard:
 
 # (common dir, ref) -> its flock path and its ``.lock`` path: a step names ~15 of them and
 # building a Path costs more than the flock itself. Bounded: receipt keys are new each step.
-_lock_paths: dict[tuple[Path, str], tuple[Path, Path]] = {}
+_lock_paths: dict[tuple[Path, str], tuple[Path, Path, str]] = {}
+SPARE_DIR = "gitrun/spare"  # a ref's replaced file, kept to be its next lock
 _LOCK_PATHS_KEPT = 256
 
 
-def _lock_paths_of(cdir: Path, refname: str) -> tuple[Path, Path]:
+def _lock_paths_of(cdir: Path, refname: str) -> tuple[Path, Path, str]:
     found = _lock_paths.get((cdir, refname))
     if found is None:
         digest = hashlib.sha256(refname.encode()).hexdigest()[:32]
-        found = (Path(f"{cdir}/gitrun/locks/{digest}.flock"), Path(f"{cdir}/{refname}.lock"))
+        found = (
+            Path(f"{cdir}/gitrun/locks/{digest}.flock"),
+            Path(f"{cdir}/{refname}.lock"),
+            f"{cdir}/{SPARE_DIR}/{digest}",
+        )
         if len(_lock_paths) >= _LOCK_PATHS_KEPT:
             _lock_paths.clear()
         _lock_paths[(cdir, refname)] = found
@@ -80,6 +85,11 @@ def lock_path(cdir: Path, refname: str) -> Path:
 
 def ref_lock_file(cdir: Path, refname: str) -> Path:
     return _lock_paths_of(cdir, refname)[1]
+
+
+def spare_file(cdir: Path, refname: str) -> str:
+    """Where the ref's previous file is kept for its next lock (see :mod:`refmove`)."""
+    return _lock_paths_of(cdir, refname)[2]
 
 
 def _clear_stale_lock(repo: pygit2.Repository, cdir: Path, refname: str) -> None:

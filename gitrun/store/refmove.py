@@ -4,13 +4,16 @@ A move is made durable by one record in the repository's journal
 (:mod:`gitrun.store.journal`: the new objects' bytes and the ref's value, one
 ``fdatasync``), or, for a move too large for it, by the barrier of
 :mod:`gitrun.store.durable`; then the staged objects are published and the ref's
-``.lock`` is renamed over the ref (the commit point).
+``.lock`` is renamed over the ref (the commit point). The file that rename replaces is
+kept (``gitrun/spare/``) and becomes the ref's next ``.lock`` (:func:`_take_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +24,14 @@ import pygit2
 from gitrun.core import faults
 from gitrun.core.errors import CasFailed, RefLocked, Refused
 from gitrun.store import durable, journal, reflog
-from gitrun.store.reflocks import Guard, common_dir, os_locks, read_ref, ref_lock_file
+from gitrun.store.reflocks import (
+    Guard,
+    common_dir,
+    os_locks,
+    read_ref,
+    ref_lock_file,
+    spare_file,
+)
 
 
 def update_ref(
@@ -107,7 +117,7 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool
     when the barrier ran and :func:`_finish` still owes the final sync."""
     cdir, point = common_dir(repo), move.crash_prefix
     lock = ref_lock_file(cdir, move.name)
-    fd = _take_lock(lock)
+    fd = _take_lock(lock, spare_file(cdir, move.name), len(str(move.new)) + 1)
     if fd is None:
         raise _LockTaken(f"{move.name}.lock exists")
     moved = False
@@ -158,7 +168,9 @@ def _commit_point(
     # a journaled move's line is written back by the kernel in its own time (a power cut
     # may cut the reflog's tail, which git fsck accepts; recovery does not rewrite it).
     reflog.append(repo, cdir, move.name, actual, move.new, move.message)
-    os.rename(lock, cdir / move.name)
+    target = cdir / move.name
+    _keep_replaced(target, spare_file(cdir, move.name))
+    os.rename(lock, target)
 
 
 def _journaled(
@@ -253,9 +265,23 @@ def _lock_follower(
     return lock, old
 
 
-def _take_lock(lock: Path) -> int | None:
+def _take_lock(lock: Path, spare: str = "", size: int = 0) -> int | None:
     """Create ``<ref>.lock`` exclusively, as git and libgit2 do, and return its open
-    descriptor (the new value is written through it); None when it exists."""
+    descriptor (the new value is written through it); None when it exists.
+
+    With a ``spare`` (the ref's file its last move replaced, :func:`_keep_replaced`) of
+    exactly ``size`` bytes, the lock is that file, linked to the lock's name (as
+    exclusive as ``O_EXCL``) and overwritten in place: a move then allocates no inode and
+    frees no block — on a filesystem mounted with ``discard`` freeing a ref's block costs
+    more than the rest of its rename. A spare that is anything but gitrun's own
+    single-link regular file of that size (a link planted there, a hard link to someone's
+    file, a crash's leftover still linked as the ref) is never written: the lock is then
+    created as usual.
+    """
+    if spare:
+        reused = _reuse_spare(lock, spare, size)
+        if reused != _NO_SPARE:
+            return None if reused == _TAKEN else reused
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
         try:
@@ -265,6 +291,47 @@ def _take_lock(lock: Path) -> int | None:
             return os.open(lock, flags, 0o644)
     except FileExistsError:
         return None
+
+
+_NO_SPARE, _TAKEN = -1, -2
+
+
+def _reuse_spare(lock: Path, spare: str, size: int) -> int:
+    """The spare as the ref's lock (an open descriptor), :data:`_TAKEN` when the lock
+    exists, or :data:`_NO_SPARE` (nothing left behind) when the spare cannot serve."""
+    try:
+        os.link(spare, lock)
+    except FileExistsError:
+        return _TAKEN
+    except OSError:
+        return _NO_SPARE  # no spare yet (or the ref's directory is new)
+    os.unlink(spare)
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        os.unlink(lock)  # a link planted as the spare: never written through
+        return _NO_SPARE
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_size != size:
+        os.close(fd)
+        os.unlink(lock)
+        return _NO_SPARE
+    return fd
+
+
+def _keep_replaced(target: Path, spare: str) -> None:
+    """Keep the ref's current file as its spare before the rename replaces it (best
+    effort: a packed or absent ref has none, a spare already kept stays)."""
+    try:
+        os.link(target, spare, follow_symlinks=False)
+    except FileNotFoundError:
+        if not os.path.lexists(target):
+            return
+        os.makedirs(os.path.dirname(spare), exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.link(target, spare, follow_symlinks=False)
+    except OSError:
+        pass
 
 
 def _delete(
@@ -289,6 +356,8 @@ def _delete(
             with journal.recording(cdir, (), [journal.RefEntry(name, None, actual.raw, "")]):
                 pass
         tx.remove(name)
+    with contextlib.suppress(OSError):
+        os.unlink(spare_file(cdir, name))  # no next move to serve
     if crash_prefix:
         faults.point(f"{crash_prefix}_moved")
 
