@@ -8,14 +8,18 @@ uninterrupted one — and that nothing outside the repository was written throug
 
 from __future__ import annotations
 
+import itertools
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import pygit2
 import pytest
 from conftest import SANDBOXES
 from test_crash import RUN_ID, Baseline, Cli, make_baseline, run_invariants
 
+from gitrun.store import gitstore
 from gitrun.store.reflocks import spare_file
 
 SANDBOX = "slugify-unicode"  # two writes (a file, a patch), verified, done
@@ -87,3 +91,54 @@ def test_a_spare_still_linked_as_its_ref_is_not_overwritten_in_place(
     # The old branch file (its inode) still holds the old value: nothing wrote into it.
     kept = [p for p in (gitdir / "gitrun" / "spare").iterdir() if p.stat().st_ino == inode]
     assert [p.read_bytes() for p in kept] in ([], [before])
+
+
+def commits(tmp_path: Path, n: int) -> tuple[pygit2.Repository, list[pygit2.Oid]]:
+    """A real repository (git init, one commit) opened as gitrun opens it, and ``n``
+    commits on top of its HEAD, none of them named by a ref yet."""
+    work = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(work)], check=True)
+    (work / "f.txt").write_text("x\n")
+    subprocess.run(["git", "-C", str(work), "add", "f.txt"], check=True)
+    subprocess.run(["git", "-C", str(work), "commit", "-qm", "base"], check=True)
+    repo = gitstore.open_repo(work)
+    sig = pygit2.Signature("t", "t@invalid", 1, 0)
+    out, parent = [repo.head.target], repo.head.target
+    for i in range(n):
+        parent = repo.create_commit(None, sig, sig, f"c{i}\n", repo[parent].tree_id, [parent])
+        out.append(parent)
+    return repo, out
+
+
+def test_a_ref_move_reuses_the_file_the_move_before_it_replaced(tmp_path: Path) -> None:
+    repo, ids = commits(tmp_path, 3)
+    ref = Path(repo.path) / "refs" / "heads" / "work"
+    gitstore.update_ref(repo, "refs/heads/work", None, ids[0])
+    first = ref.stat().st_ino
+    gitstore.update_ref(repo, "refs/heads/work", ids[0], ids[1])  # keeps `first` as spare
+    gitstore.update_ref(repo, "refs/heads/work", ids[1], ids[2])  # and writes into it
+    assert ref.stat().st_ino == first
+    assert ref.read_text() == f"{ids[2]}\n"
+    assert subprocess.run(
+        ["git", "-C", str(tmp_path / "repo"), "rev-parse", "work"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip() == str(ids[2])  # fmt: skip
+
+
+def test_a_reader_holding_the_refs_old_file_open_never_sees_a_later_value(
+    tmp_path: Path,
+) -> None:
+    """A reader that opened the ref's file before a move replaced it (and has not read it
+    yet) reads the value it opened: that file is not reused while anyone has it open."""
+    repo, ids = commits(tmp_path, 5)
+    ref = Path(repo.path) / "refs" / "heads" / "work"
+    gitstore.update_ref(repo, "refs/heads/work", None, ids[0])
+    gitstore.update_ref(repo, "refs/heads/work", ids[0], ids[1])
+    held = os.open(ref, os.O_RDONLY)  # the file holding ids[1], opened, not yet read
+    try:
+        for old, new in itertools.pairwise(ids[1:]):
+            gitstore.update_ref(repo, "refs/heads/work", old, new)
+        assert ref.read_text() == f"{ids[5]}\n"
+        assert os.pread(held, 100, 0) == f"{ids[1]}\n".encode()
+    finally:
+        os.close(held)

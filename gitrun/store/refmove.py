@@ -11,8 +11,10 @@ kept (``gitrun/spare/``) and becomes the ref's next ``.lock`` (:func:`_take_lock
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
+import signal
 import stat
 import time
 from collections.abc import Sequence
@@ -273,10 +275,10 @@ def _take_lock(lock: Path, spare: str = "", size: int = 0) -> int | None:
     exactly ``size`` bytes, the lock is that file, linked to the lock's name (as
     exclusive as ``O_EXCL``) and overwritten in place: a move then allocates no inode and
     frees no block — on a filesystem mounted with ``discard`` freeing a ref's block costs
-    more than the rest of its rename. A spare that is anything but gitrun's own
-    single-link regular file of that size (a link planted there, a hard link to someone's
-    file, a crash's leftover still linked as the ref) is never written: the lock is then
-    created as usual.
+    more than the rest of its rename. A spare some process still has open (a reader of
+    the ref's old value), or that is anything but gitrun's own single-link regular file
+    of that size (a link planted there, a hard link to someone's file, a crash's leftover
+    still linked as the ref) is never written: the lock is then created as usual.
     """
     if spare:
         reused = _reuse_spare(lock, spare, size)
@@ -299,6 +301,8 @@ _NO_SPARE, _TAKEN = -1, -2
 def _reuse_spare(lock: Path, spare: str, size: int) -> int:
     """The spare as the ref's lock (an open descriptor), :data:`_TAKEN` when the lock
     exists, or :data:`_NO_SPARE` (nothing left behind) when the spare cannot serve."""
+    if not _unshared(spare):
+        return _NO_SPARE
     try:
         os.link(spare, lock)
     except FileExistsError:
@@ -317,6 +321,27 @@ def _reuse_spare(lock: Path, spare: str, size: int) -> int:
         os.unlink(lock)
         return _NO_SPARE
     return fd
+
+
+def _unshared(spare: str) -> bool:
+    """Whether no process has the spare open: one that opened the ref's file before the
+    rename replaced it (a reader between its open and its read) must never see the next
+    value written into it. A write lease is granted only on a file nobody else has open;
+    it is dropped at once (its break signal, were anyone to open it meanwhile, is one
+    the process ignores). False too where the filesystem grants no leases."""
+    try:
+        fd = os.open(spare, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)  # ignored unless handled
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _keep_replaced(target: Path, spare: str) -> None:
