@@ -103,10 +103,10 @@ def commits(tmp_path: Path, n: int) -> tuple[pygit2.Repository, list[pygit2.Oid]
     subprocess.run(["git", "-C", str(work), "commit", "-qm", "base"], check=True)
     repo = gitstore.open_repo(work)
     sig = pygit2.Signature("t", "t@invalid", 1, 0)
-    out, parent = [repo.head.target], repo.head.target
+    head = repo.head.peel(pygit2.Commit)
+    out, tree = [head.id], head.tree_id
     for i in range(n):
-        parent = repo.create_commit(None, sig, sig, f"c{i}\n", repo[parent].tree_id, [parent])
-        out.append(parent)
+        out.append(repo.create_commit(None, sig, sig, f"c{i}\n", tree, [out[-1]]))
     return repo, out
 
 
