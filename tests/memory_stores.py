@@ -10,11 +10,10 @@ share one repository: a fence taken from the lease store is what the other two c
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field, replace
 
-from gitrun.core.codec import DecodeError, canonical_bytes, decode, digest, encode
+from gitrun.core.codec import canonical_bytes, digest, encode
 from gitrun.core.contracts import Appended
 from gitrun.core.errors import (
     CasFailed,
@@ -24,9 +23,10 @@ from gitrun.core.errors import (
     ReceiptConflict,
     ReceiptDrift,
 )
-from gitrun.core.records import SCHEMA_VERSION, Receipt, RunState
+from gitrun.core.records import Receipt, RunState
 from gitrun.core.validate import validate_state
 from gitrun.store.checkpoint import _check_scenario
+from gitrun.store.checkpoint_verify import decode_state
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, Lease
 
@@ -178,17 +178,8 @@ class MemoryCheckpointLog:
 
 
 def _decode_state(payload: bytes, oid: str) -> RunState:
-    try:
-        doc = json.loads(payload)
-    except ValueError as exc:
-        raise CheckpointRejected("corrupt", f"checkpoint {oid} payload is not JSON") from exc
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_VERSION:
-        raise CheckpointRejected("schema-version", f"checkpoint {oid} has another schema")
-    try:
-        state = decode(RunState, doc)
-    except DecodeError as exc:
-        reason = "unknown-fields" if "unknown field" in str(exc) else "schema"
-        raise CheckpointRejected(reason, f"checkpoint {oid}: {exc}") from exc
+    """The git store's own payload checks (JSON, schema, fields), then canonical bytes."""
+    state = decode_state(payload, oid)
     if canonical_bytes(encode(state)) != payload:
         raise CheckpointRejected("corrupt", f"checkpoint {oid} payload is not canonical")
     return state
