@@ -45,6 +45,7 @@ from pathlib import Path
 import pygit2
 
 from gitrun.core.errors import StorageFailed
+from gitrun.store import trees
 
 STAGE_DIR = "gitrun/stage"
 STAGE_PRIORITY = 100  # above the packed (2) and loose (1) backends: new objects land here
@@ -120,11 +121,14 @@ def _children(
         prior = before.tree_id if isinstance(before, pygit2.Commit) else None
         return [(obj.tree_id, prior), *((p, None) for p in obj.parent_ids)]
     if isinstance(obj, pygit2.Tree):
-        old = {e.name: e.id for e in before} if isinstance(before, pygit2.Tree) else {}
+        if not isinstance(before, pygit2.Tree):
+            return [(e.id, None) for e in obj if e.filemode != pygit2.enums.FileMode.COMMIT]
         return [
-            (e.id, old.get(e.name))
-            for e in obj
-            if old.get(e.name) != e.id and e.filemode != pygit2.enums.FileMode.COMMIT
+            (e.id, None if o is None else o.id)
+            for _, o, e in trees.level_changes(before, obj)
+            if e is not None
+            and (o is None or o.id != e.id)
+            and e.filemode != pygit2.enums.FileMode.COMMIT
         ]
     if isinstance(obj, pygit2.Tag):
         return [(obj.target, None)]

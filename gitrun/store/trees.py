@@ -152,7 +152,36 @@ def _diff_level(
     out: set[str],
 ) -> None:
     """One directory of :func:`changed_paths`: differing subtree pairs go on ``pairs``."""
+    for name, o, e in level_changes(old, new):
+        path = f"{prefix}{name}"
+        if isinstance(o, pygit2.Tree) and isinstance(e, pygit2.Tree):
+            pairs.append((o, e, f"{path}/"))
+            continue
+        for side in (o, e):
+            if side is not None:
+                _leaves(side, path, out)
+
+
+LevelChange = tuple[str, pygit2.Object | None, pygit2.Object | None]
+_level_changes: dict[tuple[pygit2.Oid, pygit2.Oid], list[LevelChange]] = {}
+_LEVELS_KEPT = 64
+
+
+def level_changes(old: pygit2.Tree, new: pygit2.Tree) -> list[LevelChange]:
+    """Every name whose entry differs between the two directories (its id, or a file's
+    mode): (name, the old entry or None, the new entry or None), ``new``'s entries in
+    order, then those only ``old`` has.
+
+    A pure function of the two tree ids (objects are content-addressed, and libgit2
+    hash-checks each one it reads), remembered for the last few pairs: a write compares
+    the same directories for its receipt and for its journal record, and in a wide
+    directory (1,000 entries) each comparison costs ~0.3 ms of Python."""
+    key = (old.id, new.id)
+    found = _level_changes.get(key)
+    if found is not None:
+        return found
     before = {e.name: e for e in old}
+    found = []
     for e in new:
         o = before.pop(e.name, None) if e.name is not None else None
         # (filemode builds an enum per call: read it only where a mode alone can differ)
@@ -162,15 +191,12 @@ def _diff_level(
             and (isinstance(e, pygit2.Tree) or o.filemode == e.filemode)
         ):
             continue
-        path = f"{prefix}{e.name}"
-        if isinstance(o, pygit2.Tree) and isinstance(e, pygit2.Tree):
-            pairs.append((o, e, f"{path}/"))
-            continue
-        if o is not None:
-            _leaves(o, path, out)
-        _leaves(e, path, out)
-    for name, o in before.items():
-        _leaves(o, f"{prefix}{name}", out)
+        found.append((e.name or "", o, e))
+    found += [(name or "", o, None) for name, o in before.items()]
+    if len(_level_changes) >= _LEVELS_KEPT:
+        _level_changes.clear()
+    _level_changes[key] = found
+    return found
 
 
 def _leaves(obj: pygit2.Object, path: str, out: set[str]) -> None:
