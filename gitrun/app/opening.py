@@ -8,9 +8,11 @@ runtime, approvals or cryptography at import).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pygit2
 
@@ -28,6 +30,9 @@ from gitrun.store.remote import RemoteCheckpointLog, RemoteSite
 from gitrun.store.remote_lease import RemoteLeaseStore
 from gitrun.store.witness import Witness
 
+if TYPE_CHECKING:
+    from gitrun.core.records import RunState
+
 __all__ = [
     "Opened",
     "Options",
@@ -38,6 +43,7 @@ __all__ = [
     "lease_store",
     "load_verified",
     "open_run",
+    "report_finished",
     "the_ref",
 ]
 
@@ -162,3 +168,25 @@ def load_verified(opened: Opened, *, check_scenario: bool = True) -> tuple[str, 
         base_parts(opened.task, opened.repo, opened.record.base_commit) if check_scenario else None
     )
     return ref, opened.store.load(ref, scenario_parts=parts)
+
+
+def report_finished(opened: Opened, state: RunState, opts: Options) -> RunState:
+    """A finished run reports its result again, after tidying what a kill left behind
+    (and, after a power cut, putting its last writes back in its worktree)."""
+    from gitrun.app import starting  # loads the agents: not on gitrun status's path
+
+    # e.g. the lease's, if the finished run died releasing it
+    starting.clear_stale_locks(opened.repo, opened.record.run_id)
+    if not opened.env.worktree.exists():
+        return state
+    lost = opened.env.power_loss_paths()
+    if lost:
+        lease = lease_store(opened.repo, opened.record.run_id, opts, opened.site)
+        lease.acquire(state.generation, opts.takeover_after)
+        try:
+            opened.env.repair_power_loss(lost, lease.fence)
+        finally:
+            with contextlib.suppress(GitrunError):
+                lease.release()
+    opened.env.sync_index()  # killed after its last checkpoint, before the index sync
+    return state

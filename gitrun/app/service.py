@@ -28,6 +28,7 @@ from gitrun.app.opening import (
     load_verified,
     open_run,
     remote_site,
+    report_finished,
     the_ref,
 )
 from gitrun.app.reports import (
@@ -257,11 +258,31 @@ def _drive(rt: Runtime) -> RunState:
         raise LeaseLost(exc.owner, f"{exc.message}; stopped without writing") from exc
 
 
+class _MovedOn(Exception):
+    """The checkpoint moved while a resume checked it: another resume carried the run on
+    (the refusal it caused is ``error``)."""
+
+    def __init__(self, error: GitrunError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState:
     """Verify the checkpoint, take the lease, reconcile the environment, carry on.
     A --remote run another machine started is adopted here first (see remote_run)."""
     if not opts.workspace.exists(check_run_id(run_id)) and opts.remote_for():
         _adopt(run_id, opts, task_dir)
+    for attempt in range(4):
+        try:
+            return _resume_once(run_id, opts, task_dir)
+        except _MovedOn as moved:
+            if attempt == 3:
+                raise moved.error from None
+            # Look again: the run may be finished now, or owned, or ours to resume.
+    raise GitrunError("not reached")  # the last attempt returns or raises
+
+
+def _resume_once(run_id: str, opts: Options, task_dir: Path | None) -> RunState:
     opened = open_run(run_id, opts, task_dir)
     remote_run.check_same_remote(opts, opened.record)
     record, task = opened.record, opened.task
@@ -281,7 +302,7 @@ def resume(run_id: str, opts: Options, task_dir: Path | None = None) -> RunState
     approvals = opts.approvals
     approvals.require_roots(state)
     if state.phase in TERMINAL:
-        return _finished(opened, state, opts)
+        return report_finished(opened, state, opts)
     lease = lease_store(opened.repo, record.run_id, opts, opened.site)
     _check_resumable(opened, ref, stored, lease, agent, opts)
     lease.acquire(state.generation, opts.takeover_after)
@@ -305,25 +326,6 @@ def _restart_unstarted(
     return _restart_setup(opened, agent, opts)
 
 
-def _finished(opened: Opened, state: RunState, opts: Options) -> RunState:
-    """A finished run reports its result again, after tidying what a kill left behind
-    (and, after a power cut, putting its last writes back in its worktree)."""
-    # e.g. the lease's, if the finished run died releasing it
-    starting.clear_stale_locks(opened.repo, opened.record.run_id)
-    if not opened.env.worktree.exists():
-        return state
-    lost = opened.env.power_loss_paths()
-    if lost:
-        lease = lease_store(opened.repo, opened.record.run_id, opts, opened.site)
-        lease.acquire(state.generation, opts.takeover_after)
-        try:
-            opened.env.repair_power_loss(lost, lease.fence)
-        finally:
-            _release(lease)
-    opened.env.sync_index()  # killed after its last checkpoint, before the index sync
-    return state
-
-
 def _check_resumable(
     opened: Opened, ref: str, stored: Stored, lease: LeaseManager, agent: ScriptAgent, opts: Options
 ) -> None:
@@ -335,8 +337,14 @@ def _check_resumable(
         lease.check_takeable(opts.takeover_after)
         if stored.state.phase != NEEDS_REVIEW:
             reconcile(build_runtime(opened, ref, stored, lease, agent, opts), apply=False)
-    except GitrunError:
+    except GitrunError as exc:
         _release(lease)
+        # A resume started at the same moment took the lease after our first look and
+        # moved the run on under us: that, not the run it changed, is the answer.
+        lease.check_takeable(opts.takeover_after)
+        _release(lease)
+        if gitstore.read_ref(opened.repo, ref) != stored.oid:
+            raise _MovedOn(exc) from None  # ... or took it, finished and let go meanwhile
         raise
 
 
