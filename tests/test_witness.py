@@ -393,3 +393,50 @@ def test_after_a_key_rotation_the_old_witness_still_verifies_and_still_refuses_a
     assert anchored.code == 0, anchored.err
     new = {s["key_id"] for s in ws.slots()}
     assert new.isdisjoint(old)  # re-signed with the active key, whose id is recorded
+
+
+def test_a_witness_a_process_already_read_is_judged_again_whenever_its_bytes_change(
+    tmp_path: Path,
+) -> None:
+    """One process reads the witness before each advance and skips re-checking slots
+    whose exact bytes it wrote or verified: a forged slot put in place afterwards (its
+    checksum right, its MAC not) is still refused, and a rolled-back copy reads as the
+    older mark it is, exactly as a fresh reader sees them."""
+    from gitrun.core.errors import CheckpointRejected
+    from gitrun.store.keys import load_keyring
+    from gitrun.store.witness import Mark, Witness
+
+    keyring = load_keyring(tmp_path / "keys" / "checkpoint.keyring")
+    witness = Witness(tmp_path / "witness", keyring)
+    marks = [Mark(RUN, "refs/gitrun/x", g, f"{g:040x}") for g in (1, 2, 3)]
+    with witness.locked(RUN):
+        witness.write(marks[0])
+        witness.write(marks[1])
+        older = witness.path(RUN).read_bytes()
+        witness.write(marks[2])
+        assert _best(witness) == 3
+        assert _best(witness) == 3  # from what this process wrote and read
+        current = witness.path(RUN).read_bytes()
+        slot = current[SLOT_SIZE:]  # generation 3 lives in slot B
+        body = slot.rstrip(b"\0").partition(b"\n")[0]
+        doc = json.loads(body)
+        doc["generation"] = 5  # a forged slot B, its checksum recomputed: the MAC no longer fits
+        forged = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        forged += b"\n" + hashlib.sha256(forged).hexdigest().encode() + b"\n"
+        witness.path(RUN).write_bytes(current[:SLOT_SIZE] + forged.ljust(SLOT_SIZE, b"\0"))
+        with pytest.raises(CheckpointRejected, match="does not verify"):
+            witness.read(RUN)
+        witness.path(RUN).write_bytes(older)  # an older, valid copy put back
+        assert _best(witness) == 2
+        assert _best(Witness(tmp_path / "witness", keyring)) == 2  # a fresh reader agrees
+
+
+def _best(witness: object) -> int:
+    from gitrun.store.witness import Witness
+
+    if not isinstance(witness, Witness):
+        raise TypeError("not a witness")
+    reading = witness.read(RUN)
+    if reading is None or reading.mark is None:
+        raise AssertionError("no mark")
+    return reading.mark.generation
