@@ -97,30 +97,50 @@ def staged_closure(
     """The staged objects ``new`` reaches, found by comparing it with ``old`` (what the ref
     held): only changed entries are followed, so the cost is the change's, not the tree's.
     An object not in the stage is published already, and so is everything it reaches."""
-    stage = str(_stages.get(cdir, cdir / STAGE_DIR))
+    staged = _Stage(str(_stages.get(cdir, cdir / STAGE_DIR)))
     out: list[str] = []
     todo: list[tuple[pygit2.Oid, pygit2.Oid | None]] = [(new, old)]
     seen: set[pygit2.Oid] = set()
     while todo:
         oid, base = todo.pop()
-        hexid = str(oid)
-        if oid in seen or not os.path.exists(f"{stage}/{hexid[:2]}/{hexid[2:]}"):
+        if oid in seen or not staged.holds(oid):
             continue
         seen.add(oid)
-        out.append(hexid)
-        todo += _children(repo, repo[oid], base)
+        out.append(str(oid))
+        todo += _children(repo, repo[oid], base, staged)
     return out
 
 
+class _Stage:
+    """Which objects are in the stage, each asked of the file system once per closure."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.known: dict[pygit2.Oid, bool] = {}
+
+    def holds(self, oid: pygit2.Oid) -> bool:
+        found = self.known.get(oid)
+        if found is None:
+            hexid = str(oid)
+            found = self.known[oid] = os.path.exists(f"{self.path}/{hexid[:2]}/{hexid[2:]}")
+        return found
+
+
 def _children(
-    repo: pygit2.Repository, obj: pygit2.Object, base: pygit2.Oid | None
+    repo: pygit2.Repository, obj: pygit2.Object, base: pygit2.Oid | None, staged: _Stage
 ) -> list[tuple[pygit2.Oid, pygit2.Oid | None]]:
-    """What ``obj`` names, each with its counterpart under ``base`` (None: no counterpart)."""
-    before = repo.get(base) if base is not None else None
+    """What ``obj`` names, each with its counterpart under ``base`` (None: no counterpart).
+    A commit's counterpart tree is looked up only when its own tree is staged (an intent
+    checkpoint names the published empty tree: its parent commit is never read)."""
     if isinstance(obj, pygit2.Commit):
+        parents: list[tuple[pygit2.Oid, pygit2.Oid | None]] = [(p, None) for p in obj.parent_ids]
+        if not staged.holds(obj.tree_id):
+            return parents
+        before = repo.get(base) if base is not None else None
         prior = before.tree_id if isinstance(before, pygit2.Commit) else None
-        return [(obj.tree_id, prior), *((p, None) for p in obj.parent_ids)]
+        return [(obj.tree_id, prior), *parents]
     if isinstance(obj, pygit2.Tree):
+        before = repo.get(base) if base is not None else None
         if not isinstance(before, pygit2.Tree):
             return [(e.id, None) for e in obj if e.filemode != pygit2.enums.FileMode.COMMIT]
         return [
