@@ -47,7 +47,8 @@ def gitrun_advance_op(tmp: Path, *, witness: bool = True) -> tuple[Op, bytes, st
     steady_fanout(repo.path)
     for _ in range(3):
         c.runtime_step(rt)
-    rt.step()  # persists an intent: the state now holds a pending action and a receipt
+    rt.step()  # an intent: the state now holds a pending action and a receipt
+    rt.land()  # its checkpoint made the ref's (it would ride with the write otherwise)
     template = replace(rt.state, events=_last_events(rt))
     store, ref, fence = run.store, run.ref, run.lease.fence
     if rt.checkpoint is None:

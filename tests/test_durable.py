@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOXES, Gitrun, git
 
+from gitrun.store import journal
+
 STRACE = shutil.which("strace")
 needs_strace = pytest.mark.skipif(STRACE is None, reason="strace is not installed")
 CALLS = "openat,write,pwrite64,fsync,fdatasync,syncfs,link,rename,unlink,close"
@@ -33,10 +35,14 @@ OBJECT = re.compile(r"objects/[0-9a-f]{2}/[0-9a-f]{38}")
 QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
 
-def strace(argv: list[str], env: dict[str, str], log: Path, timeout: float = 120) -> int:
-    """Run ``argv`` under ``strace -f``, the calls that decide durability logged to ``log``."""
+def strace(
+    argv: list[str], env: dict[str, str], log: Path, timeout: float = 120, strings: int = 0
+) -> int:
+    """Run ``argv`` under ``strace -f``, the calls that decide durability logged to ``log``
+    (with ``strings``, that many bytes of what each write wrote, non-ASCII as ``\\x``)."""
     assert STRACE is not None
-    cmd = [STRACE, "-f", "-qq", "-s", "0", "-e", f"trace={CALLS}", "-o", str(log), *argv]
+    shown = ["-s", str(strings), "-x"] if strings else ["-s", "0"]
+    cmd = [STRACE, "-f", "-qq", *shown, "-e", f"trace={CALLS}", "-o", str(log), *argv]
     done = subprocess.run(
         cmd, env=env, capture_output=True, timeout=timeout, check=False, cwd=log.parent
     )
@@ -55,6 +61,13 @@ class Disk:
     covered: set[str] = field(default_factory=set)
     ref_moves: int = 0
     syncs: int = 0
+    # With the written bytes traced: each ref's value in a journal record written (then
+    # synced), and what each ``.lock`` holds. A lock renamed holding its ref's durable
+    # journaled value needs no sync of its own (a step's intent riding with its write
+    # journals the branch before its lock is taken).
+    recorded: dict[str, str] = field(default_factory=dict)
+    journaled: dict[str, str] = field(default_factory=dict)
+    lock_values: dict[str, str] = field(default_factory=dict)
 
     def final(self, path: str) -> bool:
         """An object or ref under its real name (what a reader trusts)."""
@@ -67,6 +80,9 @@ class Disk:
         )
 
     def named(self, src: str, dst: str) -> None:
+        value = self.lock_values.pop(src, None)
+        if value is not None and self.journaled.get(dst) == value:
+            self.covered.add(src)  # its value is in a durable record, as if synced with it
         if src in self.covered:  # in a durable journal record: recovery names it again
             self.covered.add(dst)
             self.unsynced_data.discard(dst)
@@ -91,6 +107,8 @@ class Disk:
     def synced(self, path: str, call: str) -> None:
         self.syncs += 1
         if path == f"{self.gitdir}/gitrun/journal" and call == "fdatasync":
+            self.journaled.update(self.recorded)
+            self.recorded.clear()
             mine = {p for p in self.unsynced_data | self.unsynced_names if self._in_record(p)}
             self.covered |= mine
             self.unsynced_data -= mine
@@ -125,7 +143,10 @@ class Disk:
         elif call == "close" and fd.isdigit():
             self.fds.pop((pid, int(fd)), None)
         elif call in ("write", "pwrite64") and fd.isdigit() and (pid, int(fd)) in self.fds:
-            self.unsynced_data.add(self.fds[(pid, int(fd))])
+            path = self.fds[(pid, int(fd))]
+            self.unsynced_data.add(path)
+            if paths:
+                self._written(path, _unescape(paths[0]))
         elif call in ("fsync", "fdatasync", "syncfs") and ret == 0 and fd.isdigit():
             self.synced(self.fds.get((pid, int(fd)), ""), call)
         elif call in ("link", "rename") and ret == 0 and len(paths) == 2:
@@ -134,8 +155,26 @@ class Disk:
             self.unsynced_names.discard(paths[0])
             self.unsynced_data.discard(paths[0])
 
+    def _written(self, path: str, data: bytes) -> None:
+        if path.endswith(".lock"):
+            self.lock_values[path] = data.decode("ascii", "replace")
+        elif path == f"{self.gitdir}/gitrun/journal" and len(data) > journal._REC.size:
+            magic, _, _, length, _ = journal._REC.unpack(data[: journal._REC.size])
+            if magic != journal._REC_MAGIC:
+                return
+            replay = journal.Replay()
+            journal.decode(data[journal._REC.size : journal._REC.size + length], replay)
+            for name, entry in replay.refs.items():
+                if entry.new is not None:
+                    self.recorded[f"{self.gitdir}/{name}"] = entry.new.hex() + "\n"
+
     def unsynced_refs(self) -> list[str]:
         return sorted(n for n in self.unsynced_names if self.final(n) and "/refs/" in n)
+
+
+def _unescape(shown: str) -> bytes:
+    """The bytes strace printed with ``-x`` (escapes as in C strings)."""
+    return shown.encode("latin-1", "backslashreplace").decode("unicode_escape").encode("latin-1")
 
 
 def _disk_at(gitdir: str, before: list[str]) -> Disk:
@@ -160,7 +199,10 @@ def test_a_whole_run_names_nothing_before_it_is_durable_and_ends_with_every_ref_
 ) -> None:
     log = tmp_path / "trace"
     code = strace(
-        gitrun.argv("run", str(SANDBOXES / "fix-median"), "--run-id", "r1", "-q"), gitrun.env(), log
+        gitrun.argv("run", str(SANDBOXES / "fix-median"), "--run-id", "r1", "-q"),
+        gitrun.env(),
+        log,
+        strings=1 << 16,
     )
     assert code == 0
     disk = replay(log, gitrun.repo("fix-median") / ".git")

@@ -249,6 +249,12 @@ def checkpoint_identity(raw_commit: str) -> tuple[int, str] | None:
     return int(payload["generation"]), str(payload["identity"])
 
 
+def _write_key(raw_commit: str) -> str | None:
+    """The idempotency key trailer of a write commit, None for other commits."""
+    found = re.search(r"^Gitrun-Idempotency-Key: (\S+)$", raw_commit, re.M)
+    return found.group(1) if found else None
+
+
 def assert_invisible(repo: Path, oid: str) -> None:
     assert _staged_git(repo, "for-each-ref", "--contains", oid) == ""
 
@@ -512,9 +518,14 @@ def test_a_stopped_worker_whose_lease_was_taken_over_has_its_late_work_refused_a
 
     orphans = unreachable_commits(result.repo)
     if pause_at == "after_write_commit_object":
-        # A's write was prepared under lease 1 before the takeover and never landed.
-        key = f"Gitrun-Idempotency-Key: {result.intent_keys[0]}\n"
-        late = [oid for oid, raw in orphans.items() if "Gitrun-Lease: 1\n" in raw and key in raw]
+        # A's write was prepared under lease 1 before the takeover and never landed; its
+        # intent rode with it (never durable), so B proposed the step again, its own key.
+        keys = set(result.receipt_keys)
+        late = [
+            oid
+            for oid, raw in orphans.items()
+            if "Gitrun-Lease: 1\n" in raw and _write_key(raw) not in (None, *keys)
+        ]
         assert len(late) == 1, orphans
     else:
         # A replayed B's receipt and ran the verifier; whichever came first refused it:

@@ -43,6 +43,7 @@ from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
 from gitrun.store import durable, gitstore, journal, trees
 from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
+from gitrun.store.ledmove import Lead
 from gitrun.store.receipts import GitReceiptLog
 from gitrun.store.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
 from gitrun.store.receipts import index_ref as index_ref  # noqa: PLC0414 - re-export for callers
@@ -228,9 +229,11 @@ class Environment(WorktreeFiles):
         approval: Approval | None = None,
         *,
         shell: ExecContext | None = None,
+        lead: Lead | None = None,
     ) -> Outcome:
-        """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5.
-        An exec step needs ``shell`` (how to run it): :func:`gitrun.adapter.exec_step.execute`."""
+        """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5. An exec
+        needs ``shell`` (:func:`gitrun.adapter.exec_step.execute`). ``lead``, the intent's
+        checkpoint move, rides in the branch move (``lead.moved``: not for a replay)."""
         if action.kind == EXEC:
             from gitrun.adapter import exec_step
 
@@ -251,18 +254,11 @@ class Environment(WorktreeFiles):
         self._check_clean(head.tree, changes)
         new_tree = trees.tree_with_changes(self.repo, head.tree, dict(changes))
         oid = self._commit(
-            action,
-            key,
-            intent_digest,
-            precondition,
-            fence,
-            approval,
-            head,
-            new_tree,
+            action, key, intent_digest, precondition, fence, approval, head, new_tree,
             sorted(changes),
-        )
+        )  # fmt: skip
         faults.point("after_write_commit_object")
-        return self._commit_point(oid, head, changes, fence, approval)
+        return self._commit_point(oid, head, changes, fence, approval, lead)
 
     def _replay(self, key: str, intent_digest: str, pre: Precondition) -> Outcome | None:
         """The receipt ``key`` already has (the write happened: replay it), or None; a
@@ -281,11 +277,12 @@ class Environment(WorktreeFiles):
         changes: dict[str, trees.Change],
         fence: Fence,
         approval: Approval | None,
+        lead: Lead | None = None,
     ) -> Outcome:
         """Append the write commit to the receipt log (the branch move: the commit point),
         then bring the files on disk to the new tree (as durable as the move: covered)."""
         with journal.covering(gitstore.common_dir(self.repo)):
-            appended = self.append_write(oid, head, fence, approval)
+            appended = self.append_write(oid, head, fence, approval, lead)
             if appended.replayed:
                 return Outcome(appended.receipt, replayed=True)
             commit = self.repo[oid]
@@ -298,12 +295,13 @@ class Environment(WorktreeFiles):
         return Outcome(appended.receipt, replayed=False)
 
     def append_write(
-        self, oid: pygit2.Oid, head: pygit2.Commit, fence: Fence, approval: Approval | None
-    ) -> Appended:
+        self, oid: pygit2.Oid, head: pygit2.Commit, fence: Fence, approval: Approval | None,
+        lead: Lead | None = None,
+    ) -> Appended:  # fmt: skip
         """The commit point of every write kind: the fenced branch move (refused after an
         approval's expiry), counted when it is not a replay."""
         expiry = [gitstore.Guard(self.branch, _expiry_check(approval))] if approval else []
-        appended = self.receipt_log.append(oid, str(head.id), fence, guards=expiry)
+        appended = self.receipt_log.append(oid, str(head.id), fence, guards=expiry, lead=lead)
         if not appended.replayed:
             self.write_count += 1
             faults.point("after_receipt_index")

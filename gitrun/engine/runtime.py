@@ -39,6 +39,7 @@ from gitrun.core.records import (
     new_key,
 )
 from gitrun.core.task import Task
+from gitrun.engine import riding
 from gitrun.engine.agents import Finish, ScriptAgent
 from gitrun.engine.approvals import Approvals, clear_inbox
 from gitrun.engine.verifier import Secrets, VerifierResult, verify_tree
@@ -68,6 +69,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self._segment_start = time.time()
+        self.rider = riding.Rider(self.say)  # an intent written, its ref move riding
         self.gate = Gate(self.task, self.env.worktree, self.env.repo)
 
     # -- the machine and its effects ---------------------------------------------------
@@ -86,7 +88,8 @@ class Runtime:
             self.state = effect.state
             faults.point("receipt_riding")
         elif isinstance(effect, m.Say):
-            self.say(effect.line)
+            if not self.rider.hold(effect.line):  # an intent's line waits until it is durable
+                self.say(effect.line)
         elif isinstance(effect, m.Execute):
             self._execute(effect)
         elif isinstance(effect, m.RunVerifier):
@@ -106,7 +109,10 @@ class Runtime:
 
     def commit(self, state: RunState) -> None:
         """Persist: make ``state`` the next checkpoint (generation + 1); the events it
-        carries (a receipt riding since the last one included) go into the chain."""
+        carries (a receipt riding since the last one included) go into the chain. A
+        step's intent to write files is written, its ref move riding with the write's
+        (:mod:`gitrun.engine.riding`); any other persist lands it first."""
+        self.land()
         now = time.time()
         fence = self.lease.fence
         nxt = m.stamp(
@@ -117,10 +123,18 @@ class Runtime:
             lease_version=fence.version,
             now=now,
         )
-        self.checkpoint = self.store.advance(self.ref, nxt, self.checkpoint, fence)
+        if self.rider.proposing and riding.may_ride(self, nxt):
+            self.rider.start(self.store.prepare(self.ref, nxt, self.checkpoint, riding.AFTER))
+        else:
+            self.checkpoint = self.store.advance(self.ref, nxt, self.checkpoint, fence)
         self._segment_start = now
         self.state = nxt.evolve(events=())
-        self.lease.maybe_renew(self.state.generation)
+        if self.rider.prepared is None:
+            self.lease.maybe_renew(self.state.generation)
+
+    def land(self) -> None:
+        """A riding intent becomes the checkpoint (moved on its own unless its write moved it)."""
+        riding.land(self)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -170,8 +184,10 @@ class Runtime:
         pre = Precondition(obs.instance_id, obs.head, obs.tree)
         risk = self.gate.risk(action, tree)
         key = self.agent.proposal_key() or new_key()  # a session client's own key
-        self.apply(m.Proposed(action, key, action.intent_digest(), risk, pre, time.time()))
-        faults.point("after_intent_checkpoint")
+        with self.rider.proposal():
+            self.apply(m.Proposed(action, key, action.intent_digest(), risk, pre, time.time()))
+        if self.rider.prepared is None:  # else passed where the intent's ref moves
+            faults.point("after_intent_checkpoint")
 
     def execute_pending(self) -> None:
         """Execute the pending intent with its own key (windows 2 and 3), then record it.
@@ -180,6 +196,13 @@ class Runtime:
         inside the adapter, against the disk as it is now): a policy rejection abandons
         it, drift on disk refuses and leaves it pending for after the human's fix.
         """
+        try:
+            self._execute_pending()
+        except BaseException:
+            riding.land_after_failure(self)  # a refusal leaves the intent pending, durable
+            raise
+
+    def _execute_pending(self) -> None:
         s = self.state
         p = s.pending
         if p is None:
@@ -188,6 +211,7 @@ class Runtime:
             raise Frozen(self.frozen_message())
         found = self.env.lookup(p.key, since=p.precondition.head)
         if found is not None:
+            self.land()
             self.accept(found, replayed=True)
             return
         tree = self.env.repo.get(p.precondition.tree)
@@ -208,10 +232,13 @@ class Runtime:
         p, grant = effect.pending, effect.grant
         approval = None if grant is None else Approval(grant.fingerprint, grant.expires_at)
         shell = self.exec_context() if p.action.kind == EXEC else None
+        if shell is not None:
+            self.land()  # a command's intent is durable before it starts
+        lead = self.rider.prepared.lead if self.rider.prepared is not None else None
         try:
             outcome = self.env.execute(
                 p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval,
-                shell=shell,
+                shell=shell, lead=lead,
             )  # fmt: skip
         except ReceiptConflict as conflict:
             self.conflict(conflict.receipt)
@@ -219,17 +246,14 @@ class Runtime:
         except ExecRefused as exc:  # the command's change broke a rule; the worktree is back
             self._abandon(exc)
             return
+        self.land()
         self.accept(outcome.receipt, replayed=outcome.replayed, grant=grant)
 
     def exec_context(self) -> ExecContext:
         """How an exec step runs: confined as the verifier is, the lease kept renewed."""
         hide = self._secrets()
-        return ExecContext(
-            self.gate,
-            self._confinement(),
-            Hidden(hide.dirs, hide.files),
-            heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
-        )
+        renew = lambda: self.lease.maybe_renew(self.state.generation)  # noqa: E731
+        return ExecContext(self.gate, self._confinement(), Hidden(hide.dirs, hide.files), renew)
 
     def _abandon(self, exc: GateRejected) -> None:
         """Drop a pending action the gate refuses at execute time (the machine's

@@ -35,6 +35,7 @@ from gitrun.store.checkpoint_verify import (
 from gitrun.store.checkpoint_verify import message as checkpoint_message
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, fence_guard
+from gitrun.store.ledmove import Lead
 from gitrun.store.witness import Mark, Witness, admit
 
 SIGNER = pygit2.Signature("gitrun", "gitrun@localhost", 0, 0)
@@ -47,6 +48,15 @@ def checkpoint_ref(run_id: str, task_id: str, instance_id: str) -> str:
 def find_checkpoint_refs(repo: pygit2.Repository, run_id: str) -> list[str]:
     prefix = f"refs/gitrun/runs/{run_id}/checkpoints/"
     return sorted(r for r in repo.references if r.startswith(prefix))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checkpoint written but not yet the ref's (see :meth:`CheckpointStore.prepare`)."""
+
+    ref: str
+    state: RunState
+    lead: Lead
 
 
 @dataclass(frozen=True)
@@ -83,21 +93,51 @@ class CheckpointStore:
         An invalid state raises :class:`InvalidState` before any object is written.
         A lost race raises :class:`CasFailed`; nothing of the loser is visible.
         """
-        oid = self.write(ref, state, expected)
+        prepared = self.prepare(ref, state, expected)
         guards = [fence_guard(self.repo, state.run_id, fence)] if fence is not None else []
+        m = prepared.lead.move
         gitstore.update_ref(
-            self.repo,
-            ref,
-            expected,
-            oid,
-            guards=guards,
-            message=f"gitrun checkpoint g={state.generation}",
-            what=f"checkpoint generation {state.generation}",
-            crash_prefix="checkpoint_ref",
-        )
+            self.repo, ref, expected, m.new, guards=guards, message=m.message, what=m.what,
+            crash_prefix=m.crash_prefix,
+        )  # fmt: skip
+        prepared.lead.moved = True
+        self.settle(prepared)
+        return m.new
+
+    def prepare(
+        self, ref: str, state: RunState, expected: pygit2.Oid | None, after: tuple[str, ...] = ()
+    ) -> Prepared:
+        """The checkpoint written, its ref not moved: the move another ref move leads (a
+        step's intent riding with its write: :class:`gitrun.store.refmove.Lead`, whose
+        ``after`` crash points follow its rename); :meth:`settle` once it has moved."""
+        oid = self.write(ref, state, expected)
+        lead = Lead(
+            ref, expected, oid, message=f"gitrun checkpoint g={state.generation}",
+            what=f"checkpoint generation {state.generation}", crash_prefix="checkpoint_ref",
+            after=after,
+        )  # fmt: skip
+        return Prepared(ref, state, lead)
+
+    def land(self, prepared: Prepared, fence: Fence | None) -> None:
+        """The prepared checkpoint made the ref's: moved now unless it already was (with
+        the move it led), then settled."""
+        if not prepared.lead.moved:
+            m = prepared.lead.move
+            guards = [fence_guard(self.repo, prepared.state.run_id, fence)] if fence else []
+            gitstore.update_ref(
+                self.repo, m.name, m.expected, m.new, guards=guards, message=m.message,
+                what=m.what, crash_prefix=m.crash_prefix,
+            )  # fmt: skip
+            prepared.lead.renamed()
+        self.settle(prepared)
+
+    def settle(self, prepared: Prepared) -> None:
+        """After the prepared checkpoint's ref moved: its witness advanced."""
+        if not prepared.lead.moved:
+            raise GitrunError(f"checkpoint {prepared.lead.move.new} was never moved to")
         if self.witness is not None:
-            self._witness_advance(ref, state, oid, expected)
-        return oid
+            lead = prepared.lead.move
+            self._witness_advance(prepared.ref, prepared.state, lead.new, lead.expected)
 
     def write(self, ref: str, state: RunState, expected: pygit2.Oid | None) -> pygit2.Oid:
         """Validate ``state`` and write its signed checkpoint commit on ``expected``; no ref

@@ -20,6 +20,7 @@ from gitrun.core.errors import EnvironmentDrift, ReceiptConflict, ReceiptDrift
 from gitrun.core.records import Receipt
 from gitrun.store import gitstore, trees
 from gitrun.store.lease import Fence, fence_guard
+from gitrun.store.ledmove import Lead
 from gitrun.store.receipt_read import branch_ref, make_receipt
 
 
@@ -162,6 +163,7 @@ class GitReceiptLog:
         fence: Fence,
         *,
         guards: Sequence[gitstore.Guard] = (),
+        lead: Lead | None = None,
     ) -> Appended:
         """Move the branch from ``expected`` to the write commit ``write``: the commit point.
 
@@ -182,6 +184,7 @@ class GitReceiptLog:
             what="branch",
             crash_prefix="write_ref",
             follow=index_ref(self.run_id, receipt.key),  # rides the branch move's last sync
+            lead=lead,  # the intent's checkpoint, renamed first in the same journal record
         )
         if not indexed:  # its lock was held by another process: the entry on its own
             self.write_index(receipt.key, write)

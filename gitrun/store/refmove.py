@@ -5,27 +5,29 @@ A move is made durable by one record in the repository's journal
 ``fdatasync``), or, for a move too large for it, by the barrier of
 :mod:`gitrun.store.durable`; then the staged objects are published and the ref's
 ``.lock`` is renamed over the ref (the commit point). The file that rename replaces is
-kept (``gitrun/spare/``) and becomes the ref's next ``.lock`` (:func:`_take_lock`).
+kept (``gitrun/spare/``) and becomes the ref's next ``.lock`` (:mod:`gitrun.store.spares`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import random
-import signal
-import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pygit2
 
 from gitrun.core import faults
 from gitrun.core.errors import CasFailed, RefLocked, Refused
-from gitrun.store import durable, journal, reflog
+from gitrun.store import durable, journal, reflog, spares
+
+if TYPE_CHECKING:
+    from gitrun.store.ledmove import Lead
+
 from gitrun.store.reflocks import (
     Guard,
     common_dir,
@@ -48,6 +50,7 @@ def update_ref(
     crash_prefix: str = "",
     cache: bool = False,
     follow: str = "",
+    lead: Lead | None = None,
 ) -> bool:
     """Compare-and-swap ``name`` from ``expected`` to ``new`` (None = absent/delete).
 
@@ -58,30 +61,77 @@ def update_ref(
     same journal record and renamed after ``name`` (so no reader sees it ahead of the
     ref; ``cache`` marks such a ref moved alone: a barrier move skips its final sync).
     False when the follower's lock was taken by someone else: nothing was written for
-    it, the caller moves it alone.
+    it, the caller moves it alone. A ``lead`` moves first in the same record; where one
+    record cannot hold both (no journal, too large), it is moved alone first.
     """
+    if lead is not None and (new is None or not journal.usable(common_dir(repo))):
+        _move_alone(repo, lead, guards)
+        lead = None
     names = [name, *(g.name for g in guards), *([follow] if follow else [])]
+    if new is None:
+        return _locked(
+            repo, names, name, lambda: _delete(repo, name, expected, guards, what, crash_prefix)
+        )
+    move = _Move(name, expected, new, message, what, crash_prefix, cache, follow)
+    if lead is not None:
+        return _led(repo, names, move, guards, lead)
+    return _locked(repo, names, name, lambda: _swap(repo, move, guards), move)
+
+
+def _led(
+    repo: pygit2.Repository, names: list[str], move: _Move, guards: Sequence[Guard], lead: Lead
+) -> bool:
+    """A move led by ``lead`` (:mod:`gitrun.store.ledmove`): one record, two transactions."""
+    from gitrun.store import ledmove  # it builds on this module
+
+    first = lambda: ledmove.first(repo, move, guards, lead)  # noqa: E731
+    try:
+        _locked(repo, [*names, lead.move.name], move.name, first)
+    except NoRoom:  # one record cannot hold both: the lead first, on its own
+        _move_alone(repo, lead, guards)
+        return _locked(repo, names, move.name, lambda: _swap(repo, move, guards), move)
+    lead.renamed()  # the intent durable, nothing locked: window 2
+    return _locked(repo, names, move.name, lambda: ledmove.second(repo, move, guards), move)
+
+
+def _move_alone(repo: pygit2.Repository, lead: Lead, guards: Sequence[Guard]) -> None:
+    m = lead.move
+    update_ref(repo, m.name, m.expected, m.new, guards=guards, message=m.message, what=m.what,
+               crash_prefix=m.crash_prefix)  # fmt: skip
+    lead.renamed()
+
+
+def _locked(
+    repo: pygit2.Repository,
+    names: list[str],
+    name: str,
+    attempt: Callable[[], bool | None],
+    move: _Move | None = None,
+) -> bool:
+    """Under the OS locks of ``names``: ``attempt`` (retried while a foreign process holds
+    a ref lock for a moment), then, once it moved ``move``, :func:`_finish` when owed."""
     with os_locks(repo, names):
-        for attempt in range(50):
+        for tries in range(50):
             try:
-                if new is None:
-                    _delete(repo, name, expected, guards, what, crash_prefix)
-                    return True
-                move = _Move(name, expected, new, message, what, crash_prefix, cache, follow)
-                followed = _swap(repo, move, guards)
+                followed = attempt()
             except (pygit2.GitError, _LockTaken) as exc:
-                # A foreign process holds a ref lock for a moment: retry with jitter.
-                if attempt == 49:
+                if tries == 49:
                     raise RefLocked(name, f"could not lock {name}: {exc}") from exc
                 time.sleep(random.uniform(0.005, 0.03))  # noqa: S311 - jitter, not crypto
                 continue
             # Outside the retries: the move has happened.
-            return followed if followed is not None else _finish(repo, move)
+            if followed is None and move is not None:
+                return _finish(repo, move)
+            return True if followed is None else followed
     return True  # not reached: the last attempt returns or raises
 
 
 class _LockTaken(Exception):
     """``<ref>.lock`` exists: a foreign git process holds the ref for a moment."""
+
+
+class NoRoom(Exception):
+    """A move and its lead do not fit in one journal record: nothing was written."""
 
 
 def _compare(
@@ -119,7 +169,7 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool
     when the barrier ran and :func:`_finish` still owes the final sync."""
     cdir, point = common_dir(repo), move.crash_prefix
     lock = ref_lock_file(cdir, move.name)
-    fd = _take_lock(lock, spare_file(cdir, move.name), len(str(move.new)) + 1)
+    fd = spares.take_lock(lock, spare_file(cdir, move.name), len(str(move.new)) + 1)
     if fd is None:
         raise _LockTaken(f"{move.name}.lock exists")
     moved = False
@@ -171,7 +221,7 @@ def _commit_point(
     # may cut the reflog's tail, which git fsck accepts; recovery does not rewrite it).
     reflog.append(repo, cdir, move.name, actual, move.new, move.message)
     target = cdir / move.name
-    _keep_replaced(target, spare_file(cdir, move.name))
+    spares.keep_replaced(target, spare_file(cdir, move.name))
     os.rename(lock, target)
 
 
@@ -248,7 +298,7 @@ def _lock_follower(
     nothing is left, and the caller moves the follower on its own, as before."""
     lock = ref_lock_file(cdir, name)
     try:
-        fd = _take_lock(lock)
+        fd = spares.take_lock(lock)
     except OSError:
         return None
     if fd is None:
@@ -265,98 +315,6 @@ def _lock_follower(
     if old == new:
         lock.unlink()
     return lock, old
-
-
-def _take_lock(lock: Path, spare: str = "", size: int = 0) -> int | None:
-    """Create ``<ref>.lock`` exclusively, as git and libgit2 do, and return its open
-    descriptor (the new value is written through it); None when it exists.
-
-    With a ``spare`` (the ref's file its last move replaced, :func:`_keep_replaced`) of
-    exactly ``size`` bytes, the lock is that file, linked to the lock's name (as
-    exclusive as ``O_EXCL``) and overwritten in place: a move then allocates no inode and
-    frees no block — on a filesystem mounted with ``discard`` freeing a ref's block costs
-    more than the rest of its rename. A spare some process still has open (a reader of
-    the ref's old value), or that is anything but gitrun's own single-link regular file
-    of that size (a link planted there, a hard link to someone's file, a crash's leftover
-    still linked as the ref) is never written: the lock is then created as usual.
-    """
-    if spare:
-        reused = _reuse_spare(lock, spare, size)
-        if reused != _NO_SPARE:
-            return None if reused == _TAKEN else reused
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    try:
-        try:
-            return os.open(lock, flags, 0o644)
-        except FileNotFoundError:  # the ref's directory is new
-            lock.parent.mkdir(parents=True, exist_ok=True)
-            return os.open(lock, flags, 0o644)
-    except FileExistsError:
-        return None
-
-
-_NO_SPARE, _TAKEN = -1, -2
-
-
-def _reuse_spare(lock: Path, spare: str, size: int) -> int:
-    """The spare as the ref's lock (an open descriptor), :data:`_TAKEN` when the lock
-    exists, or :data:`_NO_SPARE` (nothing left behind) when the spare cannot serve."""
-    if not _unshared(spare):
-        return _NO_SPARE
-    try:
-        os.link(spare, lock)
-    except FileExistsError:
-        return _TAKEN
-    except OSError:
-        return _NO_SPARE  # no spare yet (or the ref's directory is new)
-    os.unlink(spare)
-    try:
-        fd = os.open(lock, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        os.unlink(lock)  # a link planted as the spare: never written through
-        return _NO_SPARE
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_size != size:
-        os.close(fd)
-        os.unlink(lock)
-        return _NO_SPARE
-    return fd
-
-
-def _unshared(spare: str) -> bool:
-    """Whether no process has the spare open: one that opened the ref's file before the
-    rename replaced it (a reader between its open and its read) must never see the next
-    value written into it. A write lease is granted only on a file nobody else has open;
-    it is dropped at once (its break signal, were anyone to open it meanwhile, is one
-    the process ignores). False too where the filesystem grants no leases."""
-    try:
-        fd = os.open(spare, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)  # ignored unless handled
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
-def _keep_replaced(target: Path, spare: str) -> None:
-    """Keep the ref's current file as its spare before the rename replaces it (best
-    effort: a packed or absent ref has none, a spare already kept stays)."""
-    try:
-        os.link(target, spare, follow_symlinks=False)
-    except FileNotFoundError:
-        if not os.path.lexists(target):
-            return
-        os.makedirs(os.path.dirname(spare), exist_ok=True)
-        with contextlib.suppress(OSError):
-            os.link(target, spare, follow_symlinks=False)
-    except OSError:
-        pass
 
 
 def _delete(

@@ -384,10 +384,13 @@ class RemoteReceiptLog(GitReceiptLog):
         fence: Fence,
         *,
         guards: Sequence[gitstore.Guard] = (),
+        lead: object = None,
     ) -> Appended:
         """Push the branch from ``expected`` to ``write`` with its index entry, an exec's
         output ref and the lease move, in one atomic push (see
-        :class:`gitrun.core.contracts.ReceiptStore`)."""
+        :class:`gitrun.core.contracts.ReceiptStore`); no intent rides with it (``lead``)."""
+        if lead is not None:
+            raise GitrunError("a --remote run's intent checkpoint cannot ride with its write")
 
         def plan() -> tuple[list[Update], Appended]:
             receipt, new = self._receipt_to_append(write, expected, fence)
