@@ -129,7 +129,8 @@ def cut_and_resume(
         # Killed between the renames of a step's one record (its intent's checkpoint
         # renamed, the branch not yet): recovery completes the move, the write is then
         # shown done and unrecorded (window 3), as after a kill just past the rename.
-        assert journaled is not None and journaled.new is not None
+        assert journaled is not None
+        assert journaled.new is not None
         assert settled[:2] == before[:2], (settled, before)
         assert (settled[2], settled[3]) == (journaled.new.hex(), None), (settled, before)
     else:
