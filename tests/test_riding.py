@@ -67,3 +67,32 @@ def test_a_branch_moved_between_the_intent_and_the_write_wins_and_no_recovery_un
     resumed = after("resume", "r", "-q")
     assert resumed.returncode == Exit.REFUSED, resumed.stderr
     assert _git(after, repo, "rev-parse", BRANCH) == extra
+
+
+def test_a_kill_between_the_two_then_a_plain_git_move_is_never_undone_by_a_recovery(
+    tmp_path: Path,
+) -> None:
+    """Killed between the transactions, the record still names the write never made and
+    nothing is locked. The agent moves the branch with plain git, resume refuses that,
+    and a reboot's recovery must keep the agent's commit: it completes only moves whose
+    ref holds a journaled value (or an older one a cut can leave), never a foreign one."""
+    cli = booted(Cli.at(tmp_path / "home"), BOOT)
+    crashed = cli(
+        "run", str(SANDBOXES / SANDBOX), "--run-id", "r", "-q", crash_at="after_intent_checkpoint"
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    repo = cli.repo(SANDBOX)
+    gitdir = (repo / ".git").resolve()
+    assert not list(gitdir.rglob("*.lock"))
+    tip = _git(cli, repo, "rev-parse", BRANCH)
+    dead = journal_recovery.contents(gitdir).refs[BRANCH].new
+    assert dead is not None
+    assert dead.hex() != tip  # the record names a write never made
+    tree = _git(cli, repo, "rev-parse", f"{tip}^{{tree}}")
+    extra = _git(cli, repo, "commit-tree", tree, "-p", tip, "-m", "the agent's own commit")
+    _git(cli, repo, "update-ref", BRANCH, extra, tip)
+    refused = cli("resume", "r", "-q")
+    assert refused.returncode == Exit.REFUSED, refused.stderr
+    after = booted(cli, REBOOT)
+    assert after("status", "r").returncode == 0  # the new boot's first process recovers
+    assert _git(after, repo, "rev-parse", BRANCH) == extra

@@ -96,6 +96,7 @@ class Replay:
     objects: dict[bytes, bytes] = field(default_factory=dict)
     refs: dict[str, RefEntry] = field(default_factory=dict)
     first_old: dict[str, bytes | None] = field(default_factory=dict)
+    values: dict[str, set[bytes | None]] = field(default_factory=dict)  # every old and new
 
 
 _fds: dict[Path, int] = {}
@@ -323,6 +324,7 @@ def decode(payload: bytes, into: Replay) -> None:
         new_value = None if kind == b"D" else new
         entry = RefEntry(name, new_value, None if old == _ZERO else old, message)
         into.first_old.setdefault(name, entry.old)
+        into.values.setdefault(name, set()).update((entry.old, new_value))
         into.refs[name] = entry
         i = j + 42 + m
 

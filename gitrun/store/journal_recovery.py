@@ -38,7 +38,8 @@ def recover(cdir: Path, fd: int, epoch: int) -> None:
         _restore_object(cdir, oid, data)
     refs = [r for r in replay.refs.values() if _well_formed(r.name)]
     for ref in refs:
-        _restore_ref(cdir, ref)
+        if not _moved_by_another(cdir, ref, replay.values.get(ref.name, set())):
+            _restore_ref(cdir, ref)
     # Every journaled branch, moved back or not: a cut may keep a ref's rename and lose
     # the data of the worktree files written after it (ext4 commits names first).
     _mark_recovered(cdir, refs, replay.first_old)
@@ -189,6 +190,50 @@ def _restore_ref(cdir: Path, ref: journal.RefEntry) -> bool:
     if current == hexid:
         return False
     return _write_inside(cdir, ref.name, f"{hexid}\n".encode())
+
+
+def _moved_by_another(cdir: Path, ref: journal.RefEntry, journaled: set[bytes | None]) -> bool:
+    """Whether the ref now holds a value no gitrun move journaled and no cut can leave:
+    another writer's (plain git) after the records. A power cut leaves a journaled value
+    (a lost rename), an unreadable file (a torn one), or an older value the ref held (a
+    reused file whose new bytes were lost): an ancestor of the journaled one. Anything
+    else is left as it is: a move whose rename never happened (a kill between a step's
+    two transactions) must not be completed over a commit made since."""
+    current = _loose_ref(cdir / ref.name)
+    if ref.new is None or current is None or len(current) != 40:
+        return False
+    try:
+        raw = bytes.fromhex(current)
+    except ValueError:
+        return False
+    if raw in journaled:
+        return False
+    return not _ancestor(cdir, current, ref.new.hex())
+
+
+def _ancestor(cdir: Path, old: str, new: str, limit: int = 10_000) -> bool:
+    """Whether commit ``old`` is ``new`` or reached from it through first parents (or the
+    history cannot be read: then it is taken to be, and the ref restored as before)."""
+    from gitrun.store.gitread import GitReader, Unsupported
+
+    try:
+        reader = GitReader(cdir)
+    except (Unsupported, OSError):
+        return True
+    try:
+        at = new
+        for _ in range(limit):
+            if at == old:
+                return True
+            parents = reader.commit(at).parents
+            if not parents:
+                return False
+            at = parents[0]
+    except (Unsupported, OSError, ValueError):
+        return True
+    finally:
+        reader.close()
+    return True
 
 
 def _loose_ref(path: Path) -> str | None:
