@@ -27,18 +27,18 @@ import pygit2
 
 from gitrun.core import faults
 from gitrun.core.errors import GitrunError
-from gitrun.store import durable, journal, spares
-from gitrun.store.reflocks import Guard, common_dir, read_ref, ref_lock_file, spare_file
+from gitrun.store import durable, journal
+from gitrun.store.reflocks import Guard, common_dir, read_ref
 from gitrun.store.refmove import (
     NoRoom,
     _commit_point,
     _compare,
     _entry,
     _lock_follower,
-    _LockTaken,
     _Move,
     _release,
     _rename_follower,
+    take_ref_lock,
 )
 
 
@@ -76,15 +76,10 @@ def first(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard], lead: L
     """Transaction 1 (the caller holds the OS locks): the record, the lead's rename.
     :class:`gitrun.store.refmove.NoRoom` when one record cannot hold both: nothing written."""
     cdir, head = common_dir(repo), lead.move
-    lead_lock = ref_lock_file(cdir, head.name)
-    fd = spares.take_lock(lead_lock, spare_file(cdir, head.name), len(str(head.new)) + 1)
-    if fd is None:
-        raise _LockTaken(f"{head.name}.lock exists")
+    lead_lock, fd = take_ref_lock(cdir, head)
     handed = False
     try:
         try:
-            if head.crash_prefix:
-                faults.point(f"{head.crash_prefix}_locked")
             actual = _compare(repo, move.name, move.expected, guards, move.what)
             was = _compare(repo, head.name, head.expected, (), head.what)
             os.write(fd, f"{head.new}\n".encode())
@@ -137,15 +132,10 @@ def second(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> boo
     """Transaction 2 (the caller holds the OS locks again): the led ref's rename, its
     value already journaled; the follower's result (as :func:`gitrun.store.refmove._swap`)."""
     cdir = common_dir(repo)
-    lock = ref_lock_file(cdir, move.name)
-    fd = spares.take_lock(lock, spare_file(cdir, move.name), len(str(move.new)) + 1)
-    if fd is None:
-        raise _LockTaken(f"{move.name}.lock exists")
+    lock, fd = take_ref_lock(cdir, move)
     follower = None
     try:
         try:
-            if move.crash_prefix:
-                faults.point(f"{move.crash_prefix}_locked")
             os.write(fd, f"{move.new}\n".encode())
         finally:
             os.close(fd)

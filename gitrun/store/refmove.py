@@ -168,15 +168,10 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool
     line, rename (the commit point). The follower's result (True without one), or None
     when the barrier ran and :func:`_finish` still owes the final sync."""
     cdir, point = common_dir(repo), move.crash_prefix
-    lock = ref_lock_file(cdir, move.name)
-    fd = spares.take_lock(lock, spare_file(cdir, move.name), len(str(move.new)) + 1)
-    if fd is None:
-        raise _LockTaken(f"{move.name}.lock exists")
+    lock, fd = take_ref_lock(cdir, move)
     moved = False
     try:
         try:
-            if point:
-                faults.point(f"{point}_locked")
             actual = _compare(repo, move.name, move.expected, guards, move.what)
             os.write(fd, f"{move.new}\n".encode())
         finally:
@@ -200,6 +195,18 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool
     if point:
         faults.point(f"{point}_moved")
     return None
+
+
+def take_ref_lock(cdir: Path, move: _Move) -> tuple[Path, int]:
+    """``move``'s ``<ref>.lock`` taken (its spare reused where it can be) and open for its
+    new value, then its ``_locked`` crash point; :class:`_LockTaken` when it exists."""
+    lock = ref_lock_file(cdir, move.name)
+    fd = spares.take_lock(lock, spare_file(cdir, move.name), len(str(move.new)) + 1)
+    if fd is None:
+        raise _LockTaken(f"{move.name}.lock exists")
+    if move.crash_prefix:
+        faults.point(f"{move.crash_prefix}_locked")
+    return lock, fd
 
 
 def _release(lock: Path) -> None:
