@@ -23,7 +23,7 @@ from gitrun.core import trailer
 from gitrun.core.errors import CasFailed, CheckpointRejected, GitrunError, InvalidState
 from gitrun.core.records import RunState
 from gitrun.core.validate import validate_state
-from gitrun.store import gitstore
+from gitrun.store import gitstore, refmove
 from gitrun.store.checkpoint_verify import (
     CommitParts,
     ref_gone,
@@ -94,15 +94,8 @@ class CheckpointStore:
         A lost race raises :class:`CasFailed`; nothing of the loser is visible.
         """
         prepared = self.prepare(ref, state, expected)
-        guards = [fence_guard(self.repo, state.run_id, fence)] if fence is not None else []
-        m = prepared.lead.move
-        gitstore.update_ref(
-            self.repo, ref, expected, m.new, guards=guards, message=m.message, what=m.what,
-            crash_prefix=m.crash_prefix,
-        )  # fmt: skip
-        prepared.lead.moved = True
-        self.settle(prepared)
-        return m.new
+        self.land(prepared, fence)
+        return prepared.lead.move.new
 
     def prepare(
         self, ref: str, state: RunState, expected: pygit2.Oid | None, after: tuple[str, ...] = ()
@@ -122,13 +115,9 @@ class CheckpointStore:
         """The prepared checkpoint made the ref's: moved now unless it already was (with
         the move it led), then settled."""
         if not prepared.lead.moved:
-            m = prepared.lead.move
-            guards = [fence_guard(self.repo, prepared.state.run_id, fence)] if fence else []
-            gitstore.update_ref(
-                self.repo, m.name, m.expected, m.new, guards=guards, message=m.message,
-                what=m.what, crash_prefix=m.crash_prefix,
-            )  # fmt: skip
-            prepared.lead.renamed()
+            run_id = prepared.state.run_id
+            guards = [fence_guard(self.repo, run_id, fence)] if fence is not None else []
+            refmove.move_alone(self.repo, prepared.lead, guards)
         self.settle(prepared)
 
     def settle(self, prepared: Prepared) -> None:

@@ -65,7 +65,7 @@ def update_ref(
     record cannot hold both (no journal, too large), it is moved alone first.
     """
     if lead is not None and (new is None or not journal.usable(common_dir(repo))):
-        _move_alone(repo, lead, guards)
+        move_alone(repo, lead, guards)
         lead = None
     names = [name, *(g.name for g in guards), *([follow] if follow else [])]
     if new is None:
@@ -88,13 +88,14 @@ def _led(
     try:
         _locked(repo, [*names, lead.move.name], move.name, first)
     except NoRoom:  # one record cannot hold both: the lead first, on its own
-        _move_alone(repo, lead, guards)
+        move_alone(repo, lead, guards)
         return _locked(repo, names, move.name, lambda: _swap(repo, move, guards), move)
     lead.renamed()  # the intent durable, nothing locked: window 2
     return _locked(repo, names, move.name, lambda: ledmove.second(repo, move, guards), move)
 
 
-def _move_alone(repo: pygit2.Repository, lead: Lead, guards: Sequence[Guard]) -> None:
+def move_alone(repo: pygit2.Repository, lead: Lead, guards: Sequence[Guard]) -> None:
+    """``lead`` moved as a move of its own (fenced by ``guards``), then :meth:`Lead.renamed`."""
     m = lead.move
     update_ref(repo, m.name, m.expected, m.new, guards=guards, message=m.message, what=m.what,
                crash_prefix=m.crash_prefix)  # fmt: skip
