@@ -193,14 +193,16 @@ def _restore_ref(cdir: Path, ref: journal.RefEntry) -> bool:
 
 
 def _moved_by_another(cdir: Path, ref: journal.RefEntry, journaled: set[bytes | None]) -> bool:
-    """Whether the ref now holds a value no gitrun move journaled and no cut can leave:
+    """Whether a branch now holds a value no gitrun move journaled and no cut can leave:
     another writer's (plain git) after the records. A power cut leaves a journaled value
     (a lost rename), an unreadable file (a torn one), or an older value the ref held (a
     reused file whose new bytes were lost): an ancestor of the journaled one. Anything
     else is left as it is: a move whose rename never happened (a kill between a step's
     two transactions) must not be completed over a commit made since."""
+    if not ref.name.startswith("refs/heads/") or ref.new is None:
+        return False  # gitrun's own refs: the journaled value (over an agent's rewind too)
     current = _loose_ref(cdir / ref.name)
-    if ref.new is None or current is None or len(current) != 40:
+    if current is None or len(current) != 40:
         return False
     try:
         raw = bytes.fromhex(current)
