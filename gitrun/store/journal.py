@@ -196,15 +196,20 @@ def read_header(fd: int) -> tuple[int, str] | None:
 def _locked(cdir: Path) -> Iterator[int]:
     """The journal's lock: an OS lock with a holder record, as every ref's (a holder seen
     stopped is named at once, a running one after 30 s: exit 4), never a silent wait."""
-    lock, name = cdir / LOCK_FILE, str(cdir / JOURNAL_FILE)
-    with _thread_lock, contextlib.ExitStack() as held:
+    lock, name = f"{cdir}/{LOCK_FILE}", f"{cdir}/{JOURNAL_FILE}"
+    with _thread_lock:
         try:
-            if not lock.parent.is_dir():
-                lock.parent.mkdir(parents=True, exist_ok=True)
-            held.enter_context(oslock.flock(lock, LOCK_SECONDS, oslock.waiting(name, 30)))
+            try:
+                held = oslock.acquire(lock, LOCK_SECONDS, oslock.waiting(name, 30))
+            except FileNotFoundError:  # the locks directory is new (or was removed)
+                os.makedirs(os.path.dirname(lock), exist_ok=True)
+                held = oslock.acquire(lock, LOCK_SECONDS, oslock.waiting(name, 30))
         except oslock.LockBusy as exc:
             raise oslock.busy_error(name, exc, LOCK_SECONDS) from exc
-        yield _fds[cdir]
+        try:
+            yield _fds[cdir]
+        finally:
+            os.close(held)  # closing the descriptor releases the lock
 
 
 def _check_boot(cdir: Path, fd: int) -> None:
@@ -385,13 +390,22 @@ def epoch(cdir: Path) -> int | None:
     return -1 if head is None else head[0]
 
 
+def _epoch_now(cdir: Path) -> int | None:
+    """:func:`epoch` read without the lock (-1 for a header torn by a rotation writing
+    it): enough to compare with an epoch read under the lock after the block."""
+    if not usable(cdir):
+        return None
+    head = read_header(_fds[cdir])
+    return -1 if head is None else head[0]
+
+
 @contextlib.contextmanager
 def covering(cdir: Path) -> Iterator[None]:
     """Files the block writes unsynced after a ref move it makes (a step's worktree files)
     are as durable as the move: recovery repairs the paths of every branch the epoch
     journals. When another process rotated the journal in between (the move's record is
     gone), a ``syncfs`` makes them durable now; a rotation after it synced them itself."""
-    before = epoch(cdir)
+    before = _epoch_now(cdir)
     yield
     if before is not None and epoch(cdir) != before:
         from gitrun.store import durable  # loads pygit2: not at import (status's reader)

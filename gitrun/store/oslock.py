@@ -61,18 +61,24 @@ class Holder:
 class LockBusy(TimeoutError):
     """An flock stays taken; ``holder`` is who took it (None when unknown)."""
 
-    def __init__(self, path: Path, holder: Holder | None, stopped: bool) -> None:
+    def __init__(self, path: Path | str, holder: Holder | None, stopped: bool) -> None:
         super().__init__(str(path))
         self.holder = holder
         self.stopped = stopped
 
 
+_record_head: list[tuple[int, str, bytes]] = []  # (pid, worker, b"pid=... host=... since=")
+
+
 def _holder_record() -> bytes:
-    line = f"pid={os.getpid()} host={_host} since={time.time():.3f} worker={_worker}"
-    return line.encode()[: HOLDER_BYTES - 1].ljust(HOLDER_BYTES - 1) + b"\n"
+    pid = os.getpid()
+    if not _record_head or _record_head[0][:2] != (pid, _worker):
+        _record_head[:] = [(pid, _worker, f"pid={pid} host={_host} since=".encode())]
+    line = _record_head[0][2] + f"{time.time():.3f} worker={_worker}".encode()
+    return line[: HOLDER_BYTES - 1].ljust(HOLDER_BYTES - 1) + b"\n"
 
 
-def read_holder(path: Path) -> Holder | None:
+def read_holder(path: Path | str) -> Holder | None:
     """The holder record of an flock file, or None when absent or unreadable."""
     try:
         with open(path, "rb") as fh:
@@ -85,7 +91,7 @@ def read_holder(path: Path) -> Holder | None:
         return None
 
 
-def _busy_holder(path: Path, seen: Holder | None) -> tuple[Holder | None, bool]:
+def _busy_holder(path: Path | str, seen: Holder | None) -> tuple[Holder | None, bool]:
     """Re-read the holder; stopped only when seen stopped twice with the same record."""
     holder = read_holder(path)
     return holder, holder is not None and holder == seen and holder.stopped()
@@ -93,51 +99,79 @@ def _busy_holder(path: Path, seen: Holder | None) -> tuple[Holder | None, bool]:
 
 @contextmanager
 def flock(
-    path: Path, timeout: float, on_wait: Callable[[Holder | None], None] | None = None
+    path: Path | str, timeout: float, on_wait: Callable[[Holder | None], None] | None = None
 ) -> Iterator[int]:
-    """An exclusive kernel lock on ``path`` (the same lock ``filelock`` takes on POSIX),
-    held until the block ends or the process dies; its holder (pid, worker, host, since)
-    is written at the start of the file. :class:`LockBusy` after ``timeout``, or at once
-    once the holder is seen stopped: a paused process would hold it for ever. A running
-    holder is waited on, ``on_wait(holder)`` called once after :data:`WAIT_NOTICE_SECONDS`.
-
-    A bare ``flock`` on a fresh descriptor: ~10x cheaper than a FileLock object, and it
-    sits on every write path (the holder record is one ``pwrite``, no fsync). The block
-    gets the descriptor: a process it is passed to holds the lock for as long as it lives.
-    Never opened through a planted link (the holder record would overwrite its target).
-    """
-    fd = _open_lock_file(path)
+    """:func:`acquire` as a block: the lock is held until the block ends (its descriptor
+    closed) or the process dies. The block gets the descriptor: a process it is passed
+    to holds the lock for as long as it lives."""
+    fd = acquire(path, timeout, on_wait)
     try:
-        start = time.monotonic()
-        next_look, seen = start + STOPPED_HOLDER_SECONDS / 2, None
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                now = time.monotonic()
-                if now >= next_look:
-                    seen, stopped = _busy_holder(path, seen)
-                    if stopped:
-                        raise LockBusy(path, seen, stopped=True) from None
-                    next_look = now + STOPPED_HOLDER_SECONDS / 2
-                if on_wait is not None and now - start >= WAIT_NOTICE_SECONDS:
-                    tell, on_wait = on_wait, None  # once
-                    tell(read_holder(path))
-                if now - start >= timeout:
-                    raise LockBusy(path, read_holder(path), stopped=False) from None
-                time.sleep(0.005)
-        os.pwrite(fd, _holder_record(), 0)
         yield fd
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _open_lock_file(path: Path) -> int:
+def acquire(
+    path: Path | str, timeout: float, on_wait: Callable[[Holder | None], None] | None = None
+) -> int:
+    """An exclusive kernel lock on ``path`` (the same lock ``filelock`` takes on POSIX),
+    held until the returned descriptor is closed or the process dies; its holder (pid,
+    worker, host, since) is written at the start of the file. :class:`LockBusy` after
+    ``timeout``, or at once once the holder is seen stopped: a paused process would hold
+    it for ever. A running holder is waited on, ``on_wait(holder)`` called once after
+    :data:`WAIT_NOTICE_SECONDS`.
+
+    A bare ``flock`` on a fresh descriptor: ~10x cheaper than a FileLock object, and it
+    sits on every write path (the holder record is one ``pwrite``, no fsync). Never
+    opened through a planted link (the holder record would overwrite its target).
+    """
+    fd = _open_lock_file(path)
+    try:
+        if not _try(fd):
+            _wait(fd, path, timeout, on_wait)
+        os.pwrite(fd, _holder_record(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _wait(
+    fd: int, path: Path | str, timeout: float, on_wait: Callable[[Holder | None], None] | None
+) -> None:
+    """The lock is taken: wait for it (see :func:`acquire`)."""
+    start = time.monotonic()
+    next_look, seen = start + STOPPED_HOLDER_SECONDS / 2, None
+    while True:
+        now = time.monotonic()
+        if now >= next_look:
+            seen, stopped = _busy_holder(path, seen)
+            if stopped:
+                raise LockBusy(path, seen, stopped=True)
+            next_look = now + STOPPED_HOLDER_SECONDS / 2
+        if on_wait is not None and now - start >= WAIT_NOTICE_SECONDS:
+            tell, on_wait = on_wait, None  # once
+            tell(read_holder(path))
+        if now - start >= timeout:
+            raise LockBusy(path, read_holder(path), stopped=False)
+        time.sleep(0.005)
+        if _try(fd):
+            return
+
+
+def _try(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _open_lock_file(path: Path | str) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        if not path.is_symlink():
+        if not os.path.islink(path):
             raise
         raise Refused(
             f"{path} is a symbolic link, not gitrun's lock file (something planted it): "
@@ -165,7 +199,7 @@ def busy_error(name: str, exc: LockBusy, timeout: float) -> LeaseHeld:
     return LeaseHeld(owner, 0.0, message)
 
 
-__all__ = ["Holder", "LockBusy", "busy_error", "flock", "read_holder", "set_worker"]
+__all__ = ["Holder", "LockBusy", "acquire", "busy_error", "flock", "read_holder", "set_worker"]
 
 
 def waiting(name: str, timeout: float) -> Callable[[Holder | None], None]:

@@ -6,9 +6,10 @@ holds, and the stale ``<ref>.lock`` files a killed writer leaves (see
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pygit2
 
 from gitrun.core.errors import RefLocked, Refused
 from gitrun.store import journal
-from gitrun.store.oslock import LockBusy, busy_error, flock, waiting
+from gitrun.store.oslock import LockBusy, acquire, busy_error, waiting
 
 STALE_LOCK_GRACE_SECONDS = 1.0
 LOCK_TIMEOUT_SECONDS = 30.0
@@ -59,17 +60,17 @@ class Guard:
 
 # (common dir, ref) -> its flock path and its ``.lock`` path: a step names ~15 of them and
 # building a Path costs more than the flock itself. Bounded: receipt keys are new each step.
-_lock_paths: dict[tuple[Path, str], tuple[Path, Path, str]] = {}
+_lock_paths: dict[tuple[Path, str], tuple[str, Path, str]] = {}
 SPARE_DIR = "gitrun/spare"  # a ref's replaced file, kept to be its next lock
 _LOCK_PATHS_KEPT = 256
 
 
-def _lock_paths_of(cdir: Path, refname: str) -> tuple[Path, Path, str]:
+def _lock_paths_of(cdir: Path, refname: str) -> tuple[str, Path, str]:
     found = _lock_paths.get((cdir, refname))
     if found is None:
         digest = hashlib.sha256(refname.encode()).hexdigest()[:32]
         found = (
-            Path(f"{cdir}/gitrun/locks/{digest}.flock"),
+            f"{cdir}/gitrun/locks/{digest}.flock",
             Path(f"{cdir}/{refname}.lock"),
             f"{cdir}/{SPARE_DIR}/{digest}",
         )
@@ -80,7 +81,7 @@ def _lock_paths_of(cdir: Path, refname: str) -> tuple[Path, Path, str]:
 
 
 def lock_path(cdir: Path, refname: str) -> Path:
-    return _lock_paths_of(cdir, refname)[0]
+    return Path(_lock_paths_of(cdir, refname)[0])
 
 
 def ref_lock_file(cdir: Path, refname: str) -> Path:
@@ -122,20 +123,25 @@ def _clear_stale_lock(repo: pygit2.Repository, cdir: Path, refname: str) -> None
 def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]:
     """Hold the OS-level lock of every named ref (sorted, so no deadlock)."""
     cdir = common_dir(repo)
-    with ExitStack() as stack:
+    held: list[int] = []
+    try:
         for name in sorted(set(refnames)):
-            path = lock_path(cdir, name)
-            try:
-                try:
-                    stack.enter_context(_ref_flock(path, name))
-                except FileNotFoundError:  # the locks directory is new (or was removed)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    stack.enter_context(_ref_flock(path, name))
-            except LockBusy as exc:
-                raise busy_error(name, exc, LOCK_TIMEOUT_SECONDS) from exc
-            _clear_stale_lock(repo, cdir, name)
+            flock_file, ref_lock, _ = _lock_paths_of(cdir, name)
+            held.append(_ref_flock(flock_file, name))
+            if os.path.exists(ref_lock):  # a killed writer's, or a foreign git's for a moment
+                _clear_stale_lock(repo, cdir, name)
         yield
+    finally:
+        for fd in held:
+            os.close(fd)  # closing the descriptor releases its lock
 
 
-def _ref_flock(path: Path, name: str) -> AbstractContextManager[int]:
-    return flock(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
+def _ref_flock(path: str, name: str) -> int:
+    try:
+        try:
+            return acquire(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
+        except FileNotFoundError:  # the locks directory is new (or was removed)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            return acquire(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
+    except LockBusy as exc:
+        raise busy_error(name, exc, LOCK_TIMEOUT_SECONDS) from exc

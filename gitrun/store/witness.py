@@ -29,7 +29,7 @@ from gitrun.core import faults
 from gitrun.core.errors import CheckpointRejected, GitrunError, RefLocked
 from gitrun.store.atomicfile import atomic_file, fsync_dir, read_bytes
 from gitrun.store.keys import Keyring
-from gitrun.store.oslock import flock
+from gitrun.store.oslock import acquire
 
 DOMAIN = b"gitrun-witness/1\n"
 VERSION = 1
@@ -70,6 +70,7 @@ class Witness:
         self.directory = directory
         self.keyring = keyring
         self._paths: dict[str, Path] = {}  # an advance asks four times
+        self._locks: dict[str, str] = {}  # run -> its lock file
         # (run, slot index, the slot's exact bytes) -> the mark they verified as: a slot
         # this process wrote or checked is not parsed and MAC-checked again (an advance
         # reads both slots; one of them it wrote itself, the other it read last time).
@@ -86,17 +87,25 @@ class Witness:
     @contextlib.contextmanager
     def locked(self, run_id: str) -> Iterator[None]:
         """Hold the run's witness lock: checks and writes never interleave."""
-        path = self.path(run_id)
-        self._ensure_dir()
+        lock = self._locks.get(run_id)
+        if lock is None:
+            lock = self._locks[run_id] = f"{self.path(run_id).parent}/.{run_id}.lock"
         try:
-            with flock(path.with_name(f".{run_id}.lock"), LOCK_TIMEOUT_SECONDS):
-                yield
+            try:
+                fd = acquire(lock, LOCK_TIMEOUT_SECONDS)
+            except FileNotFoundError:  # the first run of this workspace (or it was removed)
+                self._ensure_dir()
+                fd = acquire(lock, LOCK_TIMEOUT_SECONDS)
         except TimeoutError as exc:
             raise RefLocked(
                 f"witness/{run_id}",
                 f"the witness of run {run_id} is locked by a live gitrun process for over "
                 f"{LOCK_TIMEOUT_SECONDS:.0f}s; try again when it finishes",
             ) from exc
+        try:
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
 
     def _ensure_dir(self) -> None:
         if not self.directory.is_dir():
