@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from gitrun.adapter import filespare
 from gitrun.core import faults
 from gitrun.core.errors import EnvironmentDrift
 
@@ -162,21 +163,28 @@ def _read_all(fd: int, size: int) -> bytes:
         chunks.append(chunk)
 
 
-def write_file(root: Path, path: str, data: bytes, *, executable: bool) -> None:
-    """Put ``data`` at ``path`` via a temp file renamed over it (never through a link)."""
+def write_file(root: Path, path: str, data: bytes, *, executable: bool, spare: str = "") -> None:
+    """Put ``data`` at ``path`` via a temp file renamed over it (never through a link).
+
+    With ``spare`` (a path outside the worktree, on its filesystem: see
+    :mod:`gitrun.adapter.filespare`) the file the rename replaces is kept there and is
+    the temp file of the path's next write: no inode is allocated and no block freed."""
 
     def make(dfd: int, tmp: str) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+        fd = filespare.reuse(spare, dfd, tmp) if spare else -1
+        if fd < 0:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
+            os.ftruncate(fd, len(data))  # a reused spare may have held more
             os.fchmod(fd, 0o755 if executable else 0o644)
         finally:
             os.close(fd)
 
-    _replace(root, path, make)
+    _replace(root, path, make, spare)
 
 
 def write_link(root: Path, path: str, target: bytes) -> None:
@@ -184,7 +192,7 @@ def write_link(root: Path, path: str, target: bytes) -> None:
     _replace(root, path, lambda dfd, tmp: os.symlink(target, tmp, dir_fd=dfd))
 
 
-def _replace(root: Path, path: str, make: Callable[[int, str], None]) -> None:
+def _replace(root: Path, path: str, make: Callable[[int, str], None], spare: str = "") -> None:
     name = path.rsplit("/", 1)[-1]
     with _parents(root, path, create=True) as fds:
         if fds is None:
@@ -193,6 +201,8 @@ def _replace(root: Path, path: str, make: Callable[[int, str], None]) -> None:
         tmp = temp_name(name)
         make(dfd, tmp)
         faults.point("temp_file_written")
+        if spare:
+            filespare.keep(dfd, name, spare)
         try:
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except OSError as exc:

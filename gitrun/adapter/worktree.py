@@ -18,7 +18,7 @@ from pathlib import Path
 import pygit2
 from pygit2.enums import FileMode, FileStatus
 
-from gitrun.adapter import safefs
+from gitrun.adapter import filespare, safefs
 from gitrun.core import faults
 from gitrun.core.errors import EnvironmentDrift, StorageFailed
 from gitrun.store import durable, gitstore, journal_recovery, trees
@@ -73,7 +73,9 @@ class WorktreeFiles(ABC):
                 if isinstance(obj, pygit2.Blob) and mode == trees.LINK:
                     safefs.write_link(self.worktree, path, obj.data)
                 elif isinstance(obj, pygit2.Blob):
-                    safefs.write_file(self.worktree, path, obj.data, executable=mode == trees.EXEC)
+                    spare = filespare.spare_of(self.wt.path, path)
+                    exe = mode == trees.EXEC
+                    safefs.write_file(self.worktree, path, obj.data, executable=exe, spare=spare)
                 else:
                     safefs.remove(self.worktree, path)
                 if n == 0:

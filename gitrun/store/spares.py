@@ -45,7 +45,7 @@ _NO_SPARE, _TAKEN = -1, -2
 def _reuse_spare(lock: Path, spare: str, size: int) -> int:
     """The spare as the ref's lock (an open descriptor), :data:`_TAKEN` when the lock
     exists, or :data:`_NO_SPARE` (nothing left behind) when the spare cannot serve."""
-    if not _unshared(spare):
+    if not unshared(spare):
         return _NO_SPARE
     try:
         os.link(spare, lock)
@@ -67,14 +67,14 @@ def _reuse_spare(lock: Path, spare: str, size: int) -> int:
     return fd
 
 
-def _unshared(spare: str) -> bool:
+def unshared(spare: str) -> bool:
     """Whether no process has the spare open: one that opened the ref's file before the
     rename replaced it (a reader between its open and its read) must never see the next
     value written into it. A write lease is granted only on a file nobody else has open;
     it is dropped at once (its break signal, were anyone to open it meanwhile, is one
     the process ignores). False too where the filesystem grants no leases."""
     try:
-        fd = os.open(spare, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(spare, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:

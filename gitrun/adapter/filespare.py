@@ -1,0 +1,82 @@
+"""Spare worktree files: the file a write's rename replaced, kept to be the temp file of
+that path's next write.
+
+Renaming a temp file over a worktree file frees the replaced file's inode and blocks; on
+a filesystem mounted with ``discard`` (most cloud disks) freeing a block is a synchronous
+discard that costs more than the rest of the step's file write. So the replaced file is
+first linked to the path's spare (``<worktree git dir>/gitrun-spare/<digest>``, outside
+the worktree, where no ``git status`` sees it), and the path's next write takes the spare
+as its temp file and overwrites it in place: one inode per path goes back and forth, and
+no block is freed unless the file shrinks.
+
+The agent can reach that directory, so a spare is trusted for nothing: it is linked to
+the temp name first (as exclusive as ``O_EXCL``), opened without following a link, and
+written only when it is a regular file with that one link that no process has open (an
+agent's reader of the path's old content, or its mmap, keeps what it sees; see
+:func:`gitrun.store.spares.unshared`). Anything else (a link planted there, a hard link
+to another file, a crash's leftover still linked as the worktree file) is unlinked from
+the temp name and never written: the temp file is then created as usual. A write killed
+between the reuse and its rename leaves a temp file, as before: a leftover the next owner
+removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+
+from gitrun.store.spares import unshared
+
+SPARE_DIR = "gitrun-spare"
+
+
+def spare_of(gitdir: str, path: str) -> str:
+    """Where the worktree file ``path`` keeps its spare (``gitdir``: the worktree's own)."""
+    digest = hashlib.sha256(path.encode()).hexdigest()[:32]
+    return f"{gitdir.rstrip('/')}/{SPARE_DIR}/{digest}"
+
+
+def reuse(spare: str, dfd: int, tmp: str) -> int:
+    """The spare as the temp file ``tmp`` (in directory ``dfd``), open for writing; -1
+    (nothing left behind) when there is none or it cannot serve."""
+    if not unshared(spare):
+        with contextlib.suppress(OSError):
+            os.unlink(spare)  # held open, or no file of ours: make room for the next one
+        return -1
+    try:
+        os.link(spare, tmp, dst_dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return -1  # another filesystem, a temp name taken, the spare gone meanwhile
+    with contextlib.suppress(OSError):
+        os.unlink(spare)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        os.unlink(tmp, dir_fd=dfd)  # a link planted as the spare: never written through
+        return -1
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dfd)
+        return -1
+    return fd
+
+
+def keep(dfd: int, name: str, spare: str) -> None:
+    """Keep the file at ``name`` (in directory ``dfd``) as its path's spare before a
+    rename replaces it (best effort: an absent file has none, a spare already kept
+    stays, a worktree on another filesystem than its git dir keeps none)."""
+    try:
+        os.link(name, spare, src_dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        if not os.path.lexists(os.path.dirname(spare)):
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(spare), exist_ok=True)
+                os.link(name, spare, src_dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        pass
+
+
+__all__ = ["SPARE_DIR", "keep", "reuse", "spare_of"]
