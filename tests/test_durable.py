@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOXES, Gitrun, git
 
-from gitrun.store import journal
+from gitrun.store import journal, journal_format
+
+REC = journal_format._REC  # a record's header, as the journal writes it
 
 STRACE = shutil.which("strace")
 needs_strace = pytest.mark.skipif(STRACE is None, reason="strace is not installed")
@@ -158,12 +160,12 @@ class Disk:
     def _written(self, path: str, data: bytes) -> None:
         if path.endswith(".lock"):
             self.lock_values[path] = data.decode("ascii", "replace")
-        elif path == f"{self.gitdir}/gitrun/journal" and len(data) > journal._REC.size:
-            magic, _, _, length, _ = journal._REC.unpack(data[: journal._REC.size])
-            if magic != journal._REC_MAGIC:
+        elif path == f"{self.gitdir}/gitrun/journal" and len(data) > REC.size:
+            magic, _, _, length, _ = REC.unpack(data[: REC.size])
+            if magic != journal_format._REC_MAGIC:
                 return
             replay = journal.Replay()
-            journal.decode(data[journal._REC.size : journal._REC.size + length], replay)
+            journal.decode(data[REC.size : REC.size + length], replay)
             for name, entry in replay.refs.items():
                 if entry.new is not None:
                     self.recorded[f"{self.gitdir}/{name}"] = entry.new.hex() + "\n"

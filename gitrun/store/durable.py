@@ -58,6 +58,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _syncfs = getattr(_libc, "syncfs", None)
 _watched: dict[int, int] = {}  # st_dev -> a descriptor kept open, so syncfs reports errors
 _stages: dict[Path, Path] = {}  # common dir -> its stage
+_stage_paths: dict[Path, str] = {}  # common dir -> its stage, as a string (every move asks)
 
 
 def watch(path: Path) -> int:
@@ -91,13 +92,20 @@ def attach_stage(repo: pygit2.Repository, cdir: Path) -> None:
     repo.odb.add_backend(backend, STAGE_PRIORITY)
 
 
+def _stage_of(cdir: Path) -> str:
+    found = _stage_paths.get(cdir)
+    if found is None:
+        found = _stage_paths[cdir] = str(_stages.get(cdir, cdir / STAGE_DIR))
+    return found
+
+
 def staged_closure(
     repo: pygit2.Repository, cdir: Path, new: pygit2.Oid, old: pygit2.Oid | None
 ) -> list[str]:
     """The staged objects ``new`` reaches, found by comparing it with ``old`` (what the ref
     held): only changed entries are followed, so the cost is the change's, not the tree's.
     An object not in the stage is published already, and so is everything it reaches."""
-    staged = _Stage(str(_stages.get(cdir, cdir / STAGE_DIR)))
+    staged = _Stage(_stage_of(cdir))
     out: list[str] = []
     todo: list[tuple[pygit2.Oid, pygit2.Oid | None]] = [(new, old)]
     seen: set[pygit2.Oid] = set()
@@ -157,7 +165,7 @@ def _children(
 
 def read_staged(cdir: Path, objects: list[str]) -> list[tuple[bytes, bytes]]:
     """Each staged object's raw id and loose-file bytes, for the journal."""
-    stage = str(_stages.get(cdir, cdir / STAGE_DIR))
+    stage = _stage_of(cdir)
     out = []
     for hexid in objects:
         fd = os.open(f"{stage}/{hexid[:2]}/{hexid[2:]}", os.O_RDONLY | os.O_CLOEXEC)
@@ -174,7 +182,7 @@ def read_staged(cdir: Path, objects: list[str]) -> list[tuple[bytes, bytes]]:
 def publish(cdir: Path, objects: list[str]) -> None:
     """Rename staged objects to their real names in ``objects/`` (no sync: the caller
     made their bytes durable first, by the journal or by a ``syncfs``)."""
-    stage, published = str(_stages.get(cdir, cdir / STAGE_DIR)), f"{cdir}/objects"
+    stage, published = _stage_of(cdir), f"{cdir}/objects"
     for hexid in objects:
         fan, name = hexid[:2], hexid[2:]
         source, target = f"{stage}/{fan}/{name}", f"{published}/{fan}/{name}"
