@@ -15,18 +15,20 @@ SIGKILL. It also tells gitrun, over a second pipe, whether the command started a
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
+from gitrun.adapter.supervise import SUPERVISOR as SUPERVISOR  # noqa: PLC0414 - re-export
+from gitrun.adapter.supervise import SandboxFailed as SandboxFailed  # noqa: PLC0414 - re-export
+from gitrun.adapter.supervise import Supervised as Supervised  # noqa: PLC0414 - re-export
+from gitrun.adapter.supervise import sandbox_init
+from gitrun.adapter.supervise import supervise as supervise  # noqa: PLC0414 - re-export
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.isolation import NONE, REQUIRED, check_setting
 
@@ -36,7 +38,6 @@ INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
 )
 
-_STOP_GRACE_SECONDS = 5.0
 _BASE_FLAGS = (
     "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
     "--unshare-pid", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
@@ -47,12 +48,6 @@ _warned: list[str] = []
 
 class SandboxUnavailable(GitrunError):
     """Isolation ``required``, but bubblewrap cannot run here; nothing was run."""
-
-    exit_code = Exit.REFUSED
-
-
-class SandboxFailed(GitrunError):
-    """bubblewrap could not set the sandbox up for this command; nothing was judged."""
 
     exit_code = Exit.REFUSED
 
@@ -218,142 +213,6 @@ class Layout:
         return [*args, "--chdir", str(self.chdir)]
 
 
-# -- the supervisor --------------------------------------------------------------------
-
-SUPERVISOR = r"""
-import os, select, signal, subprocess, sys, time
-
-def children():
-    me, kids = str(os.getpid()), []
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return kids
-    for name in names:
-        if name.isdigit():
-            try:
-                with open("/proc/" + name + "/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if fields[1] == me:
-                kids.append(int(name))
-    return kids
-
-def sweep(pgid):
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        for pid in children():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            time.sleep(0.01)
-
-def main():
-    alive, status = int(sys.argv[1]), int(sys.argv[2])
-    for fd in (alive, status):
-        os.set_inheritable(fd, False)
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
-    except Exception:
-        pass
-    try:
-        child = subprocess.Popen(sys.argv[4:], start_new_session=True)
-    except OSError as exc:
-        os.write(status, ("error " + (exc.strerror or type(exc).__name__) + "\n").encode())
-        return 127
-    os.write(status, ("started " + str(child.pid) + "\n").encode())
-    while True:
-        ready = select.select([alive], [], [], 0.05)[0]
-        if ready and not os.read(alive, 64):
-            sweep(child.pid)  # gitrun died or gave up: nothing of the tests may outlive it
-            return 137
-        code = child.poll()
-        if code is not None:
-            break
-    sweep(child.pid)
-    os.write(status, ("exit " + str(code) + "\n").encode())
-    return 0
-
-sys.exit(main())
-"""
-
-
-@dataclass
-class Supervised:
-    """A test command running under the supervisor (inside bwrap when confined)."""
-
-    proc: subprocess.Popen[bytes]
-    alive_fd: int  # the write end only gitrun holds; closing it kills the command's tree
-    status_fd: int
-    confined: bool
-    status: str | None = None  # what the supervisor reported, once it has exited
-
-    def exited(self) -> bool:
-        return self.proc.poll() is not None
-
-    def stop(self) -> None:
-        """Kill the command's whole tree (through the supervisor), reap it, read its report."""
-        if self.alive_fd >= 0:
-            os.close(self.alive_fd)
-            self.alive_fd = -1
-        try:
-            self.proc.wait(timeout=_STOP_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        if self.status is None:
-            self.status = self._read_status()
-        pid = self._reported("started")
-        if not self.confined and pid and not self._reported("exit"):
-            # The supervisor died before it could sweep (a hostile test may kill it):
-            # the command's process group is still ours to end. Inside bwrap the pid
-            # namespace has already taken every process with it.
-            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.killpg(int(pid), signal.SIGKILL)
-
-    def outcome(self) -> tuple[bool, int | None, str]:
-        """(started, exit code, why it could not start), as the supervisor reported them."""
-        if self.status is None:
-            raise GitrunError("the supervised command has not been stopped yet")
-        error = self._reported("error")
-        if error is not None:
-            return False, None, error
-        code = self._reported("exit")
-        started = self._reported("started") is not None
-        return started, None if code is None else int(code), ""
-
-    def _reported(self, word: str) -> str | None:
-        for line in (self.status or "").splitlines():
-            head, _, rest = line.partition(" ")
-            if head == word:
-                return rest
-        return None
-
-    def _read_status(self) -> str:
-        flags = fcntl.fcntl(self.status_fd, fcntl.F_GETFL)
-        fcntl.fcntl(self.status_fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
-        chunks = []
-        with contextlib.suppress(BlockingIOError):
-            while chunk := os.read(self.status_fd, 4096):
-                chunks.append(chunk)
-        os.close(self.status_fd)
-        self.status_fd = -1
-        return b"".join(chunks).decode("utf-8", "replace")
-
-
 def spawn(
     argv: Sequence[str],
     *,
@@ -373,43 +232,23 @@ def spawn(
     keeps open until the command's whole tree is dead — after gitrun too, when it is
     killed — and the command never sees.
     """
-    wrap: list[str] = []
-    if confinement.confined:
-        if confinement.bwrap is None or layout is None:
-            raise GitrunError("a bwrap confinement needs the bwrap path and a layout")
-        wrap = [confinement.bwrap, *layout.bwrap_args(confinement), "--"]
-    return supervise(
-        argv, wrap, confined=confinement.confined, cwd=cwd, stdin=subprocess.DEVNULL,
-        stdout=log, stderr=subprocess.STDOUT if err is None else err, env=env,
-        hold=() if hold is None else (hold,),
-    )  # fmt: skip
-
-
-def supervise(
-    argv: Sequence[str],
-    wrap: Sequence[str] = (),
-    *,
-    confined: bool,
-    hold: Sequence[int] = (),
-    **popen: Any,
-) -> Supervised:
-    """Start ``argv`` under the supervisor (inside ``wrap``, e.g. bwrap's own argv), in
-    its own session; it dies with us through the alive pipe only we hold the write end of.
-    The verifier, exec steps and external agents all start their children here."""
-    alive_r, alive_w = os.pipe()
-    status_r, status_w = os.pipe()
-    inner = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), "--"]
-    full = [*wrap, *inner, *argv]
+    if not confinement.confined:
+        return supervise(
+            argv, confined=False, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT if err is None else err, env=env,
+            hold=() if hold is None else (hold,),
+        )  # fmt: skip
+    if confinement.bwrap is None or layout is None:
+        raise GitrunError("a bwrap confinement needs the bwrap path and a layout")
+    info_r, info_w = os.pipe()  # bwrap writes its pid 1's pid there (--info-fd)
+    wrap = [confinement.bwrap, *layout.bwrap_args(confinement), "--info-fd", str(info_w), "--"]
     try:
-        proc = subprocess.Popen(
-            full, start_new_session=True, pass_fds=(alive_r, status_w, *hold), **popen
-        )
-    except OSError as exc:
-        for fd in (alive_w, status_r):
-            os.close(fd)
-        raise SandboxFailed(f"cannot start {full[0]}: {exc.strerror or exc}") from exc
+        child = supervise(
+            argv, wrap, confined=True, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT if err is None else err, env=env,
+            hold=(info_w,) if hold is None else (hold, info_w),
+        )  # fmt: skip
     finally:
-        for fd in (alive_r, status_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-    return Supervised(proc, alive_w, status_r, confined)
+        os.close(info_w)
+    child.sandbox_init = sandbox_init(info_r)
+    return child
