@@ -25,9 +25,11 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOXES, Gitrun, git
 
+from gitrun.core import faults
 from gitrun.store import journal, journal_format
 
 REC = journal_format._REC  # a record's header, as the journal writes it
+REC_MAGIC = journal_format._REC_MAGIC
 
 STRACE = shutil.which("strace")
 needs_strace = pytest.mark.skipif(STRACE is None, reason="strace is not installed")
@@ -162,7 +164,7 @@ class Disk:
             self.lock_values[path] = data.decode("ascii", "replace")
         elif path == f"{self.gitdir}/gitrun/journal" and len(data) > REC.size:
             magic, _, _, length, _ = REC.unpack(data[: REC.size])
-            if magic != journal_format._REC_MAGIC:
+            if magic != REC_MAGIC:
                 return
             replay = journal.Replay()
             journal.decode(data[REC.size : REC.size + length], replay)
@@ -385,3 +387,52 @@ def test_killed_with_the_index_entry_locked_the_write_stands_and_resume_rebuilds
     entries = sorted(p.name for p in receipts.iterdir())
     assert entries == [locks[0].removesuffix(".lock")]
     assert git(gitdir, "rev-parse", f"refs/gitrun/runs/r1/receipts/{entries[0]}").strip() == tip
+
+
+WITNESS_CALLS = re.compile(r'^\d+\s+(pwrite64|fdatasync)\((\d+)<([^>]*)>(?:, "((?:[^"\\]|\\.)*)")?')
+
+
+@needs_strace
+def test_the_witness_is_synced_before_any_later_checkpoint_can_be_durable(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    """An advance leaves its witness slot's ``fdatasync`` to a background thread (the
+    checkpoint is durable; a witness one generation behind is the crash window readers
+    admit), so the run's next checkpoint must not be written before that sync is done:
+    a power cut could otherwise leave the witness two generations behind its ref, which
+    a load refuses as a rollback. Traced: every journal record naming a checkpoint ref
+    is written after the witness's last slot write was synced."""
+    log = tmp_path / "trace"
+    # Two writes back to back (a file, a patch), then the verdict.
+    argv = gitrun.argv("run", str(SANDBOXES / "slugify-unicode"), "--run-id", "r1", "-q")
+    assert STRACE is not None
+    cmd = [STRACE, "-f", "-qq", "-y", "-s", str(1 << 16), "-x", "-e", "trace=pwrite64,fdatasync"]
+    # Each deferred sync waits 300 ms first: a checkpoint written without waiting for it
+    # would show, where the thread's sync otherwise runs before anything else could.
+    env = {**gitrun.env(), faults.DELAY_VAR: "witness_sync_deferred:300"}
+    done = subprocess.run(
+        [*cmd, "-o", str(log), *argv], env=env, capture_output=True, timeout=120,
+        check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-800:]
+    witness = f"{gitrun.home}/witness/r1"
+    unsynced, checkpoints, problems = False, 0, []
+    for line in log.read_text().splitlines():
+        m = WITNESS_CALLS.match(line)
+        if m is None:
+            continue
+        call, path, shown = m.group(1), os.path.realpath(m.group(3)), m.group(4)
+        if path == os.path.realpath(witness):
+            unsynced = call == "pwrite64"
+        elif call == "pwrite64" and path.endswith("/gitrun/journal") and shown:
+            data = _unescape(shown)
+            if len(data) <= REC.size or REC.unpack(data[: REC.size])[0] != REC_MAGIC:
+                continue
+            replay = journal.Replay()
+            journal.decode(data[REC.size : REC.size + REC.unpack(data[: REC.size])[3]], replay)
+            if any("/checkpoints/" in name for name in replay.refs):
+                checkpoints += 1
+                if unsynced:
+                    problems.append(f"checkpoint record #{checkpoints} before the witness sync")
+    assert checkpoints >= 4  # the first, each intent riding with its write, the verdict
+    assert problems == []

@@ -47,6 +47,8 @@ POINTS: dict[str, str] = {
     "checkpoint_ref_moved": "window 4: checkpoint ref renamed, not yet synced, no witness",
     "checkpoint_witness_torn": "window 4: the witness slot half written (a torn write)",
     "checkpoint_witness_written": "window 4: ref and witness advanced, not yet acted on",
+    "witness_sync_deferred": "window 4: the witness slot written, its sync not yet run "
+    "(a background thread; the run's next checkpoint waits for it)",
     "before_verify": "before the verifier runs; the last receipt rides in its verdict",
     "after_verify": "the verifier passed or failed, its event not yet checkpointed",
 }

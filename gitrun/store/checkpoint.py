@@ -104,6 +104,8 @@ class CheckpointStore:
         step's intent riding with its write: :class:`gitrun.store.refmove.Lead`, whose
         ``after`` crash points follow its rename); :meth:`settle` once it has moved."""
         oid = self.write(ref, state, expected)
+        if self.witness is not None:  # the last advance's deferred witness sync first
+            self.witness.settle(state.run_id)
         lead = Lead(
             ref, expected, oid, message=f"gitrun checkpoint g={state.generation}",
             what=f"checkpoint generation {state.generation}", crash_prefix="checkpoint_ref",
@@ -163,7 +165,7 @@ class CheckpointStore:
                 return
             parent = str(expected) if expected is not None else None
             if admit(self.witness.path(state.run_id), reading, mark, parent):
-                self.witness.write(mark)
+                self.witness.write(mark, defer=True)  # settled before the next checkpoint
 
     def load(
         self,

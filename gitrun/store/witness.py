@@ -24,12 +24,16 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gitrun.core import faults
-from gitrun.core.errors import CheckpointRejected, GitrunError, RefLocked
+from gitrun.core.errors import CheckpointRejected, GitrunError, RefLocked, StorageFailed
 from gitrun.store.atomicfile import atomic_file, fsync_dir, read_bytes
 from gitrun.store.keys import Keyring
 from gitrun.store.oslock import acquire
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 DOMAIN = b"gitrun-witness/1\n"
 VERSION = 1
@@ -75,6 +79,8 @@ class Witness:
         # this process wrote or checked is not parsed and MAC-checked again (an advance
         # reads both slots; one of them it wrote itself, the other it read last time).
         self._verified: dict[tuple[str, int, bytes], Mark] = {}
+        self._pending: dict[str, Future[None]] = {}  # run -> its deferred slot sync
+        self._settled: set[str] = set()  # runs whose witness this process made durable
 
     def path(self, run_id: str) -> Path:
         found = self._paths.get(run_id)
@@ -195,14 +201,20 @@ class Witness:
 
     # -- writing -----------------------------------------------------------------------
 
-    def write(self, mark: Mark) -> None:
-        """Make ``mark`` durable (caller holds the lock). Generation 1 creates the file."""
+    def write(self, mark: Mark, *, defer: bool = False) -> None:
+        """Make ``mark`` durable (caller holds the lock). Generation 1 creates the file.
+
+        ``defer``: its ``fdatasync`` runs on a background thread, and :meth:`settle` waits
+        for it. An advance defers (its checkpoint is durable already, and a witness one
+        generation behind its ref is the crash window the reader admits); the run's next
+        checkpoint settles first, so the witness is never two generations behind."""
         slot = self._encode(mark)
         path = self.path(mark.run_id)
         if mark.generation == 1:
             self._create(path, slot)
+            self._settled.add(mark.run_id)
             return
-        fd = os.open(path, os.O_WRONLY)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             offset = (mark.generation % 2) * SLOT_SIZE
             # Two writes, cut inside the record, so the crash matrix can tear a slot for
@@ -210,11 +222,37 @@ class Witness:
             os.pwrite(fd, slot[:TEAR_AT], offset)
             faults.point("checkpoint_witness_torn")
             os.pwrite(fd, slot[TEAR_AT:], offset + TEAR_AT)
-            os.fdatasync(fd)
+            if defer:
+                self._pending[mark.run_id] = _syncer().submit(_sync_and_close, fd, path)
+                fd = -1
+            else:
+                _sync(fd, path)
+                self._settled.add(mark.run_id)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._remember(mark.run_id, mark.generation % 2, slot, mark)
         faults.point("checkpoint_witness_written")
+
+    def settle(self, run_id: str) -> None:
+        """Every witness write of ``run_id`` durable: the deferred one this process made
+        waited for (its error raised), or, the first time for the run in this process,
+        the file synced (a process killed before its deferred sync ran may have left it
+        unsynced). Called before anything of the run's next checkpoint is written."""
+        pending = self._pending.pop(run_id, None)
+        if pending is not None:
+            pending.result()
+        elif run_id not in self._settled:
+            path = self.path(run_id)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return  # no witness yet: the first advance creates it, synced
+            try:
+                _sync(fd, path)
+            finally:
+                os.close(fd)
+        self._settled.add(run_id)
 
     def _create(self, path: Path, slot: bytes) -> None:
         """The first mark: made aside and renamed in, so the file is whole or absent."""
@@ -256,6 +294,41 @@ class Witness:
         if len(slot) > SLOT_SIZE:
             raise GitrunError(f"witness record of {mark.ref} is longer than {SLOT_SIZE} bytes")
         return slot.ljust(SLOT_SIZE, b"\0")
+
+
+def _sync(fd: int, path: Path) -> None:
+    try:
+        os.fdatasync(fd)
+    except OSError as exc:
+        raise StorageFailed.on(path, exc.strerror or str(exc)) from exc
+
+
+def _sync_and_close(fd: int, path: Path) -> None:
+    try:
+        faults.point("witness_sync_deferred")
+        _sync(fd, path)
+    finally:
+        os.close(fd)
+
+
+_syncers: list[ThreadPoolExecutor] = []
+
+
+def _syncer() -> ThreadPoolExecutor:
+    """One background thread for deferred witness syncs (made at the first; a forked
+    child makes its own: threads do not survive a fork)."""
+    if not _syncers:
+        from concurrent.futures import ThreadPoolExecutor  # writers only: not at import
+
+        _syncers.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="gitrun-witness"))
+    return _syncers[0]
+
+
+def _forget_syncer() -> None:
+    _syncers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_syncer)
 
 
 def admit(path: Path, reading: Reading | None, here: Mark, parent: str | None) -> bool:
