@@ -10,7 +10,8 @@ as its temp file and overwrites it in place: one inode per path goes back and fo
 no block is freed unless the file shrinks.
 
 The agent can reach that directory, so a spare is trusted for nothing: it is linked to
-the temp name first (as exclusive as ``O_EXCL``), opened without following a link, and
+the temp name first (as exclusive as ``O_EXCL``), opened without following a link or
+waiting (a FIFO or a leased file a racing process swapped in is refused at once), and
 written only when it is a regular file with that one link that no process has open (an
 agent's reader of the path's old content, or its mmap, keeps what it sees; see
 :func:`gitrun.store.spares.unshared`). Anything else (a link planted there, a hard link
@@ -52,16 +53,24 @@ def reuse(spare: str, dfd: int, tmp: str) -> int:
     with contextlib.suppress(OSError):
         os.unlink(spare)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        # O_NONBLOCK: a FIFO swapped in after the probe would wait for a reader for ever,
+        # a lease taken meanwhile for its break (45 s); both are refused at once instead
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     except OSError:
-        os.unlink(tmp, dir_fd=dfd)  # a link planted as the spare: never written through
+        _discard(dfd, tmp)  # a link, a FIFO, a leased file: never written through
         return -1
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
         os.close(fd)
-        os.unlink(tmp, dir_fd=dfd)
+        _discard(dfd, tmp)
         return -1
     return fd
+
+
+def _discard(dfd: int, tmp: str) -> None:
+    """Unlink the temp name a spare was linked to (the racer may have moved it on)."""
+    with contextlib.suppress(OSError):
+        os.unlink(tmp, dir_fd=dfd)
 
 
 def keep(dfd: int, name: str, spare: str) -> None:
