@@ -176,3 +176,34 @@ def test_a_process_racing_the_spare_with_a_fifo_never_hangs_a_write(tmp_path: Pa
     assert writer.stdout == "done\n", writer.stderr[-800:]
     assert (root / "m.py").read_bytes() == b"v2999\n"
     assert sorted(os.listdir(root)) == ["m.py"]
+
+
+def test_a_ref_spare_swapped_for_a_fifo_after_its_probe_does_not_hang_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race against a ref's spare (``<common dir>/gitrun/spare/``), which becomes
+    the ref's ``.lock`` the same way: the open waited for a reader with the ref's OS lock
+    held, so every other writer of the ref waited 30 s and exited 4."""
+    spare, lock = tmp_path / "spare", tmp_path / "ref.lock"
+    spare.write_bytes(b"0" * 40 + b"\n")
+    real = spares.unshared
+
+    def probe(name: str) -> bool:
+        found = real(name)
+        os.unlink(name)
+        os.mkfifo(name)
+        return found
+
+    monkeypatch.setattr(spares, "unshared", probe)
+    unblock_later(lambda: str(lock) if lock.exists() else None, 3.0)
+    start = time.monotonic()
+    fd = spares.take_lock(lock, str(spare), 41)
+    took = time.monotonic() - start
+    assert fd is not None
+    try:
+        assert os.fstat(fd).st_nlink == 1
+        assert os.path.isfile(lock)
+        assert not os.path.islink(lock)
+    finally:
+        os.close(fd)
+    assert took < 2.0, f"the lock waited {took:.1f}s on a FIFO planted as the ref's spare"

@@ -53,18 +53,26 @@ def _reuse_spare(lock: Path, spare: str, size: int) -> int:
         return _TAKEN
     except OSError:
         return _NO_SPARE  # no spare yet (or the ref's directory is new)
-    os.unlink(spare)
+    with contextlib.suppress(OSError):
+        os.unlink(spare)
     try:
-        fd = os.open(lock, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO swapped in after the probe would wait for a reader for ever
+        # (the ref's OS lock held), a lease taken meanwhile for its break: refused at once
+        fd = os.open(lock, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        os.unlink(lock)  # a link planted as the spare: never written through
+        _discard(lock)  # a link, a FIFO, a leased file: never written through
         return _NO_SPARE
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_size != size:
         os.close(fd)
-        os.unlink(lock)
+        _discard(lock)
         return _NO_SPARE
     return fd
+
+
+def _discard(lock: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(lock)
 
 
 def unshared(spare: str) -> bool:
