@@ -37,19 +37,18 @@ def write(root: Path, spare: str, data: bytes) -> float:
     return time.monotonic() - start
 
 
-def swapped_after_probe(monkeypatch: pytest.MonkeyPatch, swap: Callable[[str], None]) -> list[str]:
+def swapped_after_probe(
+    monkeypatch: pytest.MonkeyPatch, spare: str, swap: Callable[[str], None]
+) -> None:
     """The racer wins: right after gitrun's probe of the spare, ``swap`` replaces it."""
-    probed: list[str] = []
     real = spares.unshared
 
-    def probe(spare: str) -> bool:
-        found = real(spare)
-        probed.append(spare)
+    def probe(name: str, dir_fd: int | None = None) -> bool:
+        found = real(name, dir_fd)
         swap(spare)
         return found
 
     monkeypatch.setattr(filespare, "unshared", probe)
-    return probed
 
 
 def unblock_later(fifo_of: Callable[[], str | None], after: float) -> threading.Thread:
@@ -85,7 +84,7 @@ def test_a_spare_swapped_for_a_fifo_after_its_probe_does_not_hang_the_write(
         os.unlink(name)
         os.mkfifo(name)
 
-    swapped_after_probe(monkeypatch, to_fifo)
+    swapped_after_probe(monkeypatch, spare, to_fifo)
 
     def temp_fifo() -> str | None:
         names = [n for n in os.listdir(root) if safefs.is_temp_of(n, "m.py")]
@@ -113,7 +112,7 @@ def test_a_lease_taken_on_the_spare_after_its_probe_does_not_stall_the_write(
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)  # its break signal: SIGIO, ignored
         held.append(fd)
 
-    swapped_after_probe(monkeypatch, lease)
+    swapped_after_probe(monkeypatch, spare, lease)
     old = signal.signal(signal.SIGIO, signal.SIG_IGN)  # the break is sent to this process
     try:
         took = write(root, spare, b"v3\n")
@@ -188,10 +187,10 @@ def test_a_ref_spare_swapped_for_a_fifo_after_its_probe_does_not_hang_the_lock(
     spare.write_bytes(b"0" * 40 + b"\n")
     real = spares.unshared
 
-    def probe(name: str) -> bool:
-        found = real(name)
-        os.unlink(name)
-        os.mkfifo(name)
+    def probe(name: str, dir_fd: int | None = None) -> bool:
+        found = real(name, dir_fd)
+        os.unlink(spare)
+        os.mkfifo(spare)
         return found
 
     monkeypatch.setattr(spares, "unshared", probe)
@@ -207,3 +206,20 @@ def test_a_ref_spare_swapped_for_a_fifo_after_its_probe_does_not_hang_the_lock(
     finally:
         os.close(fd)
     assert took < 2.0, f"the lock waited {took:.1f}s on a FIFO planted as the ref's spare"
+
+
+def test_a_spare_directory_planted_as_a_link_gets_no_file_through_it(tmp_path: Path) -> None:
+    """``<worktree git dir>/gitrun-spare`` made a link to a directory elsewhere: gitrun
+    must not link the worktree's files into that directory (nor take files from it)."""
+    root, gitdir, spare = dirs(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (gitdir / filespare.SPARE_DIR).symlink_to(elsewhere)
+    theirs = elsewhere / os.path.basename(spare)
+    for n in range(4):
+        write(root, spare, f"v{n}\n".encode())
+        assert os.listdir(elsewhere) == [], "a worktree file was linked outside the git dir"
+    theirs.write_bytes(b"someone's file\n")
+    write(root, spare, b"v4\n")
+    assert theirs.read_bytes() == b"someone's file\n"
+    assert (root / "m.py").read_bytes() == b"v4\n"

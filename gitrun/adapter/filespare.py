@@ -31,6 +31,7 @@ import stat
 from gitrun.store.spares import unshared
 
 SPARE_DIR = "gitrun-spare"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def spare_of(gitdir: str, path: str) -> str:
@@ -42,16 +43,28 @@ def spare_of(gitdir: str, path: str) -> str:
 def reuse(spare: str, dfd: int, tmp: str) -> int:
     """The spare as the temp file ``tmp`` (in directory ``dfd``), open for writing; -1
     (nothing left behind) when there is none or it cannot serve."""
-    if not unshared(spare):
-        with contextlib.suppress(OSError):
-            os.unlink(spare)  # held open, or no file of ours: make room for the next one
+    sdir, _, name = spare.rpartition("/")
+    try:
+        sfd = os.open(sdir, _DIR_FLAGS)  # a link planted as the directory: no spare
+    except OSError:
         return -1
     try:
-        os.link(spare, tmp, dst_dir_fd=dfd, follow_symlinks=False)
+        return _reuse_in(sfd, name, dfd, tmp)
+    finally:
+        os.close(sfd)
+
+
+def _reuse_in(sfd: int, name: str, dfd: int, tmp: str) -> int:
+    if not unshared(name, sfd):
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=sfd)  # held open, or no file of ours: room for the next
+        return -1
+    try:
+        os.link(name, tmp, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
     except OSError:
         return -1  # another filesystem, a temp name taken, the spare gone meanwhile
     with contextlib.suppress(OSError):
-        os.unlink(spare)
+        os.unlink(name, dir_fd=sfd)
     try:
         # O_NONBLOCK: a FIFO swapped in after the probe would wait for a reader for ever,
         # a lease taken meanwhile for its break (45 s); both are refused at once instead
@@ -76,16 +89,26 @@ def _discard(dfd: int, tmp: str) -> None:
 def keep(dfd: int, name: str, spare: str) -> None:
     """Keep the file at ``name`` (in directory ``dfd``) as its path's spare before a
     rename replaces it (best effort: an absent file has none, a spare already kept
-    stays, a worktree on another filesystem than its git dir keeps none)."""
+    stays, a worktree on another filesystem than its git dir keeps none). The spare's
+    directory is opened without following a link: a link planted in its place never
+    gets a worktree file linked into the directory it names."""
+    sdir, _, spare_name = spare.rpartition("/")
     try:
-        os.link(name, spare, src_dir_fd=dfd, follow_symlinks=False)
+        sfd = os.open(sdir, _DIR_FLAGS)
     except FileNotFoundError:
-        if not os.path.lexists(os.path.dirname(spare)):
-            with contextlib.suppress(OSError):
-                os.makedirs(os.path.dirname(spare), exist_ok=True)
-                os.link(name, spare, src_dir_fd=dfd, follow_symlinks=False)
+        try:
+            os.makedirs(sdir, exist_ok=True)
+            sfd = os.open(sdir, _DIR_FLAGS)
+        except OSError:
+            return
+    except OSError:
+        return
+    try:
+        os.link(name, spare_name, src_dir_fd=dfd, dst_dir_fd=sfd, follow_symlinks=False)
     except OSError:
         pass
+    finally:
+        os.close(sfd)
 
 
 __all__ = ["SPARE_DIR", "keep", "reuse", "spare_of"]

@@ -75,14 +75,15 @@ def _discard(lock: Path) -> None:
         os.unlink(lock)
 
 
-def unshared(spare: str) -> bool:
+def unshared(spare: str, dir_fd: int | None = None) -> bool:
     """Whether no process has the spare open: one that opened the ref's file before the
     rename replaced it (a reader between its open and its read) must never see the next
     value written into it. A write lease is granted only on a file nobody else has open;
     it is dropped at once (its break signal, were anyone to open it meanwhile, is one
     the process ignores). False too where the filesystem grants no leases."""
     try:
-        fd = os.open(spare, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(spare, flags, dir_fd=dir_fd)
     except OSError:
         return False
     try:
@@ -111,4 +112,4 @@ def keep_replaced(target: Path, spare: str) -> None:
         pass
 
 
-__all__ = ["keep_replaced", "take_lock"]
+__all__ = ["keep_replaced", "take_lock", "unshared"]
