@@ -54,7 +54,17 @@ def held_elsewhere(path: str | Path) -> Iterator[None]:
 
 
 def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+    """This process's open lock files (flock files and ``.lock`` files): other
+    descriptors (the journal, a cached one, another test's thread) come and go."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.endswith((".flock", ".lock")):
+            found.add(f"{fd}:{target}")
+    return found
 
 
 @pytest.fixture
