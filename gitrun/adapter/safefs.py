@@ -172,14 +172,16 @@ def write_file(root: Path, path: str, data: bytes, *, executable: bool, spare: s
 
     def make(dfd: int, tmp: str) -> None:
         fd = filespare.reuse(spare, dfd, tmp) if spare else -1
-        if fd < 0:
+        reused = fd >= 0
+        if not reused:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.ftruncate(fd, len(data))  # a reused spare may have held more
+            if reused:
+                os.ftruncate(fd, len(data))  # the spare may have held more
             os.fchmod(fd, 0o755 if executable else 0o644)
         finally:
             os.close(fd)

@@ -57,8 +57,7 @@ LOOSE_COMPRESSION = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _syncfs = getattr(_libc, "syncfs", None)
 _watched: dict[int, int] = {}  # st_dev -> a descriptor kept open, so syncfs reports errors
-_stages: dict[Path, Path] = {}  # common dir -> its stage
-_stage_paths: dict[Path, str] = {}  # common dir -> its stage, as a string (every move asks)
+_stages: dict[Path, str] = {}  # common dir -> its stage (a string: every move asks)
 
 
 def watch(path: Path) -> int:
@@ -85,18 +84,15 @@ def attach_stage(repo: pygit2.Repository, cdir: Path) -> None:
     """Send ``repo``'s new objects to the repository's stage (unsynced until a barrier)."""
     stage = _stages.get(cdir)
     if stage is None:
-        stage = cdir / STAGE_DIR
-        stage.mkdir(parents=True, exist_ok=True)
+        stage = f"{cdir}/{STAGE_DIR}"
+        os.makedirs(stage, exist_ok=True)
         _stages[cdir] = stage
-    backend = pygit2.OdbBackendLoose(str(stage), LOOSE_COMPRESSION, False)
+    backend = pygit2.OdbBackendLoose(stage, LOOSE_COMPRESSION, False)
     repo.odb.add_backend(backend, STAGE_PRIORITY)
 
 
 def _stage_of(cdir: Path) -> str:
-    found = _stage_paths.get(cdir)
-    if found is None:
-        found = _stage_paths[cdir] = str(_stages.get(cdir, cdir / STAGE_DIR))
-    return found
+    return _stages.get(cdir) or f"{cdir}/{STAGE_DIR}"
 
 
 def staged_closure(

@@ -177,11 +177,7 @@ def _locked(cdir: Path) -> Iterator[int]:
     lock, name = f"{cdir}/{LOCK_FILE}", f"{cdir}/{JOURNAL_FILE}"
     with _thread_lock:
         try:
-            try:
-                held = oslock.acquire(lock, LOCK_SECONDS, oslock.waiting(name, 30))
-            except FileNotFoundError:  # the locks directory is new (or was removed)
-                os.makedirs(os.path.dirname(lock), exist_ok=True)
-                held = oslock.acquire(lock, LOCK_SECONDS, oslock.waiting(name, 30))
+            held = oslock.acquire(lock, LOCK_SECONDS, oslock.waiting(name, 30))
         except oslock.LockBusy as exc:
             raise oslock.busy_error(name, exc, LOCK_SECONDS) from exc
         try:

@@ -112,7 +112,11 @@ def flock(
 
 
 def acquire(
-    path: Path | str, timeout: float, on_wait: Callable[[Holder | None], None] | None = None
+    path: Path | str,
+    timeout: float,
+    on_wait: Callable[[Holder | None], None] | None = None,
+    *,
+    make_dir: bool = True,
 ) -> int:
     """An exclusive kernel lock on ``path`` (the same lock ``filelock`` takes on POSIX),
     held until the returned descriptor is closed or the process dies; its holder (pid,
@@ -123,9 +127,16 @@ def acquire(
 
     A bare ``flock`` on a fresh descriptor: ~10x cheaper than a FileLock object, and it
     sits on every write path (the holder record is one ``pwrite``, no fsync). Never
-    opened through a planted link (the holder record would overwrite its target).
+    opened through a planted link (the holder record would overwrite its target). A
+    missing directory of the lock file is made (``make_dir``), or FileNotFoundError.
     """
-    fd = _open_lock_file(path)
+    try:
+        fd = _open_lock_file(path)
+    except FileNotFoundError:  # the locks directory is new (or was removed)
+        if not make_dir:
+            raise
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = _open_lock_file(path)
     try:
         if not _try(fd):
             _wait(fd, path, timeout, on_wait)

@@ -138,10 +138,6 @@ def os_locks(repo: pygit2.Repository, refnames: Sequence[str]) -> Iterator[None]
 
 def _ref_flock(path: str, name: str) -> int:
     try:
-        try:
-            return acquire(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
-        except FileNotFoundError:  # the locks directory is new (or was removed)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            return acquire(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
+        return acquire(path, LOCK_TIMEOUT_SECONDS, waiting(name, LOCK_TIMEOUT_SECONDS))
     except LockBusy as exc:
         raise busy_error(name, exc, LOCK_TIMEOUT_SECONDS) from exc

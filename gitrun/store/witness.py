@@ -98,10 +98,10 @@ class Witness:
             lock = self._locks[run_id] = f"{self.path(run_id).parent}/.{run_id}.lock"
         try:
             try:
-                fd = acquire(lock, LOCK_TIMEOUT_SECONDS)
-            except FileNotFoundError:  # the first run of this workspace (or it was removed)
+                fd = acquire(lock, LOCK_TIMEOUT_SECONDS, make_dir=False)
+            except FileNotFoundError:  # the first run of this workspace: its own 0700 dir
                 self._ensure_dir()
-                fd = acquire(lock, LOCK_TIMEOUT_SECONDS)
+                fd = acquire(lock, LOCK_TIMEOUT_SECONDS, make_dir=False)
         except TimeoutError as exc:
             raise RefLocked(
                 f"witness/{run_id}",
@@ -223,6 +223,7 @@ class Witness:
             faults.point("checkpoint_witness_torn")
             os.pwrite(fd, slot[TEAR_AT:], offset + TEAR_AT)
             if defer:
+                self.settle(mark.run_id)  # never two pending: each error is raised
                 self._pending[mark.run_id] = _syncer().submit(_sync_and_close, fd, path)
                 fd = -1
             else:
