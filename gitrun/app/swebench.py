@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gitrun.app.inputs import read_input
 from gitrun.app.swebench_progress import Display, Lines, display
 from gitrun.app.swebench_run import BUSY, Context, Job, evaluate
 from gitrun.app.workspace import Workspace
@@ -43,9 +44,7 @@ class Request:
 
 
 def _read(path: Path, what: str) -> bytes:
-    if not path.is_file():
-        raise BadInput(f"--{what} {path}: no such file")
-    return path.read_bytes()
+    return read_input(path, f"--{what}")  # ``-``: standard input
 
 
 def _specs(req: Request) -> dict[str, RepoSpec]:
