@@ -398,7 +398,10 @@ def swebench_cmd(
     repos: Annotated[Path, typer.Option("--repos", help="DIR/owner__name or DIR/owner/name.")],
     run_id: Annotated[str, typer.Option("--run-id", help="The batch's run id (resumable).")],
     workers: Annotated[int, typer.Option("--max-workers", min=1)] = 1,
-    ids: Annotated[list[str] | None, typer.Option("--instance-ids")] = None,
+    ids: Annotated[
+        list[str] | None,
+        typer.Option("--instance-ids", help="IDs: space- or comma-separated, or repeated."),
+    ] = None,
     report_dir: Annotated[Path, typer.Option("--report-dir")] = Path(),
     as_json: JsonOpt = False,
     workspace: WorkspaceOpt = None,
@@ -411,13 +414,18 @@ def swebench_cmd(
                            remote=remote, lease_seconds=lease_seconds)  # fmt: skip
     report = swebench.run_batch(req, workspace, key_file, None if as_json else _say)
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
+    for line in report["error_lines"]:  # one line per kind; any error: exit 1
+        typer.echo(f"gitrun: {line}", err=True)
+    if report["error_lines"]:
+        raise typer.Exit(int(Exit.FAILED))
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every user error is one line and a distinct exit code."""
     command = typer.main.get_command(app)
+    args = swebench.spread_ids(sys.argv[1:] if argv is None else argv)
     try:
-        code = command.main(args=argv, prog_name="gitrun", standalone_mode=False)
+        code = command.main(args=args, prog_name="gitrun", standalone_mode=False)
     except (BrokenPipeError, SystemExit) as exc:
         if not pipe_closed(exc):
             raise
