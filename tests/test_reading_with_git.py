@@ -33,10 +33,18 @@ EXPECT = {
 }
 
 
-def doc_commands() -> list[str]:
-    """The lines of the doc's ``sh`` blocks, in order."""
-    blocks = re.findall(r"^```sh\n(.*?)^```", DOC.read_text(), re.M | re.S)
+def doc_commands(doc: Path = DOC) -> list[str]:
+    """The lines of a document's ``sh`` blocks, in order."""
+    blocks = re.findall(r"^```sh\n(.*?)^```", doc.read_text(), re.M | re.S)
     return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def readme_git_commands() -> list[str]:
+    """The ``git`` lines of the README's section on reading receipts with plain git."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Reading receipts with plain git", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```sh\n(.*?)^```", section, re.M | re.S)
+    return [line for b in blocks for line in b.splitlines() if line.startswith("git ")]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +78,12 @@ def test_the_doc_shows_commands_for_receipts_outputs_and_checkpoints() -> None:
     assert len(commands) >= 6
     for needle in ("%(trailers)", ":stdout", "--glob="):
         assert any(needle in c for c in commands), needle
+
+
+def test_the_readme_shows_only_git_commands_the_doc_runs() -> None:
+    shown = readme_git_commands()
+    assert len(shown) >= 4
+    assert [c for c in shown if c not in doc_commands()] == []
 
 
 @pytest.mark.parametrize("command", doc_commands())
