@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,8 +150,11 @@ def test_swebench_reads_its_dataset_or_predictions_from_standard_input(
     args = [x for k, v in files.items() for x in (k, "-" if k == which else str(v))]
     argv = gitrun.argv("swebench", *args, "--repos", str(world / "repos"), "--run-id", "b",
                        "--report-dir", str(world / "out"), "--json")  # fmt: skip
-    proc = subprocess.run(argv, input=files[which].read_bytes(), env=gitrun.env(),
-                          capture_output=True, timeout=120, check=False)  # fmt: skip
+    # the environment cache may not lie under /tmp (the sandbox replaces it): /var/tmp
+    with tempfile.TemporaryDirectory(prefix="gitrun-habits-envs-", dir="/var/tmp") as envs:
+        env = {**gitrun.env(), "GITRUN_SWEBENCH_ENVS": envs}
+        proc = subprocess.run(argv, input=files[which].read_bytes(), env=env,
+                              capture_output=True, timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["empty_patch_instances"] == 2
