@@ -132,9 +132,10 @@ def test_machine_b_needs_the_shared_keyring_and_registers_nothing_without_it(
     a, b = machines.cli("a"), machines.cli("b")
     take = ["run", str(FIX_MEDIAN), "--run-id", "r4", "--remote", machines.url]
     crash = {"GITRUN_CRASH_AT": "after_file_sync", **FAST}
-    killed = a.run([*take, "--lease-seconds", "1", *machines.args("a")], crash)
+    # 3 s: long enough for A to reach its crash point on a loaded machine (1 s expired first)
+    killed = a.run([*take, "--lease-seconds", "3", *machines.args("a")], crash)
     assert killed.code == -9, killed.err
-    time.sleep(1.2)  # A's lease expires: from another machine A cannot be known dead
+    time.sleep(3.2)  # A's lease expires: from another machine A cannot be known dead
     where = ["--workspace", str(machines.tmp / "b")]
     missing = b.run([*take, *where, "--key-file", str(machines.tmp / "none.keyring")], FAST)
     assert missing.code == Exit.BAD_INPUT, missing.err
