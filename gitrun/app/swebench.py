@@ -55,6 +55,7 @@ def _specs(req: Request) -> dict[str, RepoSpec]:
 
 def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
     """The instances selected, a job for each predicted one, and the submitted ids."""
+    swebench.safe_component(req.run_id, "--run-id")
     instances = list(swebench.parse_instances(_read(req.dataset, "dataset"), str(req.dataset)))
     if req.instance_ids:
         # each value may hold several ids, space- or comma-separated (the harness's nargs)
