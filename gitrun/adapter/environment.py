@@ -231,7 +231,7 @@ class Environment(WorktreeFiles):
         shell: ExecContext | None = None,
         lead: Lead | None = None,
     ) -> Outcome:
-        """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5. An exec
+        """Perform ``action`` at most once for ``key``; see docs/design.md §4 step 5. An exec
         needs ``shell`` (:func:`gitrun.adapter.exec_step.execute`). ``lead``, the intent's
         checkpoint move, rides in the branch move (``lead.moved``: not for a replay)."""
         if action.kind == EXEC:

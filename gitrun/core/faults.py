@@ -21,7 +21,7 @@ ENV_VAR = "GITRUN_CRASH_AT"
 PAUSE_VAR = "GITRUN_PAUSE_AT"
 DELAY_VAR = "GITRUN_DELAY_AT"
 
-# name -> the crash window it sits in (DESIGN.md §3), shown by `gitrun debug crash-points`.
+# name -> the crash window it sits in (docs/design.md §6), shown by `gitrun debug crash-points`.
 POINTS: dict[str, str] = {
     "setup_unregistered": "setup: no run of this id registered when looked at, nothing written",
     "setup_before_register": "setup: inputs checked, the run not registered yet (run again)",
