@@ -374,3 +374,55 @@ def test_a_run_id_or_model_name_that_would_leave_the_report_dir_is_refused(
     assert res.code == 2, (res.out, res.err)
     assert len(res.err.strip().splitlines()) == 1
     assert not (world / "out").exists()
+
+
+def test_the_plugin_is_importable_in_the_sandbox_and_read_only_there(
+    gitrun: Gitrun, world: Path
+) -> None:
+    probe = (
+        "\n\nimport sys as _s\n\n"
+        "_plugin = _s.modules['gitrun_verdict'].__file__\n"
+        "for _target in (_plugin, _plugin + '.new'):\n"
+        "    try:\n"
+        "        open(_target, 'a').close()\n"
+        "        print('PLUGIN-WRITABLE', _target)\n"
+        "    except OSError as _exc:\n"
+        "        print('PLUGIN-PROTECTED', _exc.strerror)\n"
+    )
+    patch = prediction(world, {"stats/median.py": median_with("").replace(ATEXIT_REWRITE, "")
+                               + probe}, fixed=False)  # fmt: skip
+    report, meta, log = run(gitrun, world, patch)
+    assert meta["isolation"] == "bwrap"
+    assert "PLUGIN-WRITABLE" not in log
+    assert log.count("PLUGIN-PROTECTED Read-only file system") == 2, log
+    assert report["unresolved_ids"] == [MEDIAN]
+
+
+def test_under_xdist_the_controller_streams_every_workers_outcomes(
+    gitrun: Gitrun, sandbox_copy: Any, tmp_path: Path
+) -> None:
+    """xdist is named with -p (autoload is off); the workers' reports reach the channel
+    through the controller. The code under test runs in the workers, which hold neither
+    the channel nor the report: the forging median fails as any wrong fix does."""
+    task = sandbox_copy("fix-median")
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace(
+        '"-p", "no:cacheprovider"]', '"-p", "no:cacheprovider", "-p", "xdist.plugin", "-n", "2"]'
+    ))  # fmt: skip
+    assert "xdist.plugin" in toml.read_text()
+    gold = gitrun("run", str(task), "--run-id", "gold", "--agent", f"patch:{FIX}")
+    assert gold.code == 0, (gold.out, gold.err)
+
+    work = tmp_path / "w"
+    shutil.copytree(task / "repo", work)
+    git(work, "init", "-q", "-b", "main")
+    git(work, "add", "-A")
+    git(work, "commit", "-q", "-m", "base")
+    (work / "stats" / "median.py").write_text(median_with(""))
+    (tmp_path / "cheat.diff").write_text(git(work, "diff"))
+    res = gitrun(
+        "run", str(task), "--run-id", "forge", "--agent", f"patch:{tmp_path / 'cheat.diff'}"
+    )
+    assert res.code == 1, (res.out, res.err)
+    info = json.loads(gitrun("status", "forge", "--json").out)
+    assert "FAIL_TO_PASS still failing" in info["verifier"]["summary"]

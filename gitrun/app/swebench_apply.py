@@ -19,7 +19,7 @@ import pygit2
 
 from gitrun.core.errors import BadInput, GitrunError
 from gitrun.core.patch import apply_file_patch, parse_patch
-from gitrun.core.runner_files import command_paths, runner_reason
+from gitrun.core.runner_files import SECTION_SUFFIXES, command_paths, runner_reason
 
 STRICT = "strict"
 RECOUNT = "recount"
@@ -133,8 +133,10 @@ def runner_changes(
     found = []
     for path, old_id, new_id in _changed(Path(repo.path), reference, tree):
 
-        def blob(oid: str | None) -> bytes | None:
-            return None if oid is None else repo[oid].peel(pygit2.Blob).data
+        def blob(oid: str | None, path: str = path) -> bytes | None:
+            if oid is None or not path.endswith(SECTION_SUFFIXES):
+                return None  # only a config file's bytes are compared
+            return repo[oid].peel(pygit2.Blob).data
 
         why = runner_reason(path, blob(old_id), blob(new_id), named)
         if why is not None:

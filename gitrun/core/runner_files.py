@@ -37,10 +37,17 @@ import shlex
 import tomllib
 from collections.abc import Callable, Iterable
 
-__all__ = ["RUNNER_MODULES", "command_paths", "pytest_sections", "runner_reason"]
+__all__ = [
+    "RUNNER_MODULES",
+    "SECTION_SUFFIXES",
+    "command_paths",
+    "pytest_sections",
+    "runner_reason",
+]
 
 _ALWAYS_CONFIG = frozenset({"pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini"})
 _INI_SUFFIXES = (".ini", ".cfg")
+SECTION_SUFFIXES = (*_INI_SUFFIXES, ".toml")  # files whose pytest sections are compared
 _INI_SECTIONS = frozenset({"pytest", "tool:pytest"})
 _SITE = frozenset({"sitecustomize", "usercustomize"})
 _METADATA = (".dist-info", ".egg-info", ".egg", ".egg-link")
@@ -69,7 +76,7 @@ def runner_reason(
         if hit(parts):
             return reason
     name = parts[-1]
-    if name.endswith((*_INI_SUFFIXES, ".toml")) and (
+    if name.endswith(SECTION_SUFFIXES) and (
         pytest_sections(name, old) != pytest_sections(name, new)
     ):
         return f"pytest section of {name}"
