@@ -81,3 +81,5 @@ def test_the_files_a_test_command_names_are_runner_files() -> None:
     assert named == ("tests/runtests.py", "ci/run.sh", "tests")
     assert runner_reason("tests/runtests.py", b"a", b"b", named) is not None
     assert runner_reason("tests/other.py", b"a", b"b", named) is None
+    assert "tox.ini" in command_paths("tox --current-env -epy39 -v --")
+    assert "tox.ini" not in named

@@ -24,7 +24,8 @@ its old and new bytes) is such a file, and why:
 - a module or package at the tree's root named like the runner or a module it imports
   at start-up (``pytest``, ``_pytest``, ``pluggy``, ...): ``python -m pytest`` puts the
   working directory first on ``sys.path``, so it would run instead of the real one;
-- the files the test command itself names (``./tests/runtests.py``).
+- the files the test command itself names (``./tests/runtests.py``), and ``tox.ini``
+  when it runs ``tox``.
 
 The INI reading follows iniconfig (``_parse.py``), the parser pytest uses, line for
 line; section names are matched ignoring case and surrounding space, a superset of
@@ -183,12 +184,13 @@ def _key_value(line: str) -> tuple[str, str]:
 
 def command_paths(command: str) -> tuple[str, ...]:
     """The relative paths a shell test command names (``./tests/runtests.py``,
-    ``tests/run.sh``), normalised to tree paths; words that hold no ``/`` are left out."""
+    ``tests/run.sh``), normalised to tree paths, words that hold no ``/`` left out; and
+    ``tox.ini`` when the command runs ``tox``."""
     try:
         words = shlex.split(command)
     except ValueError:
         words = command.split()
-    out = []
+    out = ["tox.ini"] if "tox" in words else []  # tox runs what its tox.ini says
     for word in words:
         if "/" in word and not word.startswith(("/", "-", "$")) and "::" not in word:
             path = word.removeprefix("./").rstrip("/")
