@@ -191,13 +191,16 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
                 "applied": False, "outcomes": None, "stage": None}  # fmt: skip
     test_patch = inst.test_patch.encode()
     reference, test_paths = swebench_apply.test_files(repo, base, test_patch)
-    runner: tuple[tuple[str, str], ...] = ()
-    if not inst.allow_test_infra:  # judged on the trees the tests would run on
-        tested, _ = swebench_apply.with_test_patch(repo, base, applied.tree, test_patch, test_paths)
-        runner = swebench_apply.runner_changes(repo, reference, tested, job.spec.test_cmd)
     final, test_diff = swebench_apply.with_test_patch(
-        repo, base, applied.tree, test_patch, test_paths + tuple(p for p, _ in runner)
+        repo, base, applied.tree, test_patch, test_paths
     )
+    runner: tuple[tuple[str, str], ...] = ()
+    if not inst.allow_test_infra:  # judged on the tree the tests would run on
+        runner = swebench_apply.runner_changes(repo, reference, final, job.spec.test_cmd)
+    if runner:  # the second write resets them too
+        final, test_diff = swebench_apply.with_test_patch(
+            repo, base, applied.tree, test_patch, test_paths + tuple(p for p, _ in runner)
+        )
     rid, parts = gitrun_run_id(ctx, job)
     env_bin = str(swebench_env.ensure_env(job.spec, job.inst.env_key))
     files = {
