@@ -2,8 +2,12 @@
 
 The verdict follows the SWE-bench harness: the run passes when every FAIL_TO_PASS and
 every PASS_TO_PASS test passes (an expected failure, ``xfail``, counts as passing, as it
-does there). Per-test outcomes come from a JUnit XML report (pytest's ``xunit1`` family),
-never from scraping the console.
+does there). Per-test outcomes come from gitrun's own pytest plugin, streamed over an
+inherited socket as pytest reports each test (:class:`_Channel`,
+:mod:`gitrun.core.outcome_stream`), never from scraping the console; the JUnit XML report
+(pytest's ``xunit1`` family) must agree with the stream byte for byte and test for test,
+or the run fails as ``verdict-tampered``. Plugin autoload is off
+(``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``): only the plugins a command names with ``-p`` load.
 
 Tests are matched by the ``(classname, name)`` pair pytest derives from a node id, not
 by rebuilding ``file::name``: a test method inherited from a base class in another
@@ -246,6 +250,8 @@ class _Channel:
         if self.ours >= 0:
             os.close(self.ours)
             self.ours = -1
+        if self.plugin_dir is not None and self.plugin_dir.is_dir():
+            self.plugin_dir.chmod(0o755)  # so the scratch directory can be removed
 
 
 def _run_command(
