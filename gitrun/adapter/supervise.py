@@ -79,8 +79,9 @@ def main():
         ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
     except Exception:
         pass
+    passed = [int(fd) for fd in sys.argv[3][7:].split(",")] if sys.argv[3][:7] == "--pass=" else []
     try:
-        child = subprocess.Popen(sys.argv[4:], start_new_session=True)
+        child = subprocess.Popen(sys.argv[4:], start_new_session=True, pass_fds=passed)
     except OSError as exc:
         os.write(status, ("error " + (exc.strerror or type(exc).__name__) + "\n").encode())
         return 127
@@ -209,18 +210,22 @@ def supervise(
     *,
     confined: bool,
     hold: Sequence[int] = (),
+    give: Sequence[int] = (),
     **popen: Any,
 ) -> Supervised:
     """Start ``argv`` under the supervisor (inside ``wrap``, e.g. bwrap's own argv), in
     its own session; it dies with us through the alive pipe only we hold the write end of.
-    The verifier, exec steps and external agents all start their children here."""
+    The verifier, exec steps and external agents all start their children here. ``give``:
+    descriptors the command inherits, at the same numbers (the verifier's outcome channel).
+    """
     alive_r, alive_w = os.pipe()
     status_r, status_w = os.pipe()
-    inner = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), "--"]
+    passing = "--pass=" + ",".join(str(fd) for fd in give) if give else "--"
+    inner = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), passing]
     full = [*wrap, *inner, *argv]
     try:
         proc = subprocess.Popen(
-            full, start_new_session=True, pass_fds=(alive_r, status_w, *hold), **popen
+            full, start_new_session=True, pass_fds=(alive_r, status_w, *hold, *give), **popen
         )
     except OSError as exc:
         for fd in (alive_w, status_r):

@@ -76,6 +76,7 @@ def _specs(req: Request) -> dict[str, RepoSpec]:
 
 def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
     """The instances selected, a job for each predicted one, and the submitted ids."""
+    swebench.safe_component(req.run_id, "--run-id")
     instances = list(swebench.parse_instances(_read(req.dataset, "dataset"), str(req.dataset)))
     data = None if req.predictions == swebench.GOLD else _read(Path(req.predictions), "predictions")
     preds = swebench.parse_predictions(data, instances)  # every id must be in the dataset

@@ -115,15 +115,16 @@ def _task_toml(job: Job, base: str, repo: Path, env_bin: str) -> str:
     return "schema = 1\n\n" + "\n\n".join(f"[{k}]\n{v}" for k, v in doc.items()) + "\n"
 
 
-def _plan_toml(stage: str, has_tests: bool) -> str:
+def _plan_toml(stage: str, has_tests: bool, runner_reset: bool = False) -> str:
     steps = [
         f'[[step]]\nkind = "apply_patch"\npatch_file = "prediction.diff"\n'
         f'description = "swebench: the prediction (apply stage: {stage})"'
     ]
+    what = "test and test-runner files" if runner_reset else "test files"
     if has_tests:
         steps.append(
             '[[step]]\nkind = "apply_patch"\npatch_file = "test.diff"\n'
-            'description = "swebench: test files reset to base, test_patch applied"'
+            f'description = "swebench: {what} reset to base, test_patch applied"'
         )
     return "schema = 1\n\n" + "\n\n".join(steps) + "\n"
 
@@ -174,10 +175,6 @@ def evaluate(ctx: Context, job: Job) -> dict[str, Any]:
 
 def _run(ctx: Context, job: Job) -> dict[str, Any]:
     inst, patch = job.inst, (job.pred.patch or "")
-    infra = swebench.infra_paths(patch)
-    if infra and not inst.allow_test_infra:
-        why = f"refused: the prediction changes test infrastructure ({', '.join(infra)})"
-        return {"result": UNRESOLVED, "reason": why, "applied": False, "outcomes": None}
     opts = _options(ctx)
     repo_dir = find_repo(Path(ctx.repos), inst.repo, opts.workspace.root, inst.base_commit)
     repo = pygit2.Repository(str(repo_dir))
@@ -192,15 +189,23 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
     except BadInput as exc:
         return {"result": ERROR, "error_kind": NOT_APPLIED, "reason": f"patch did not apply: {exc}",
                 "applied": False, "outcomes": None, "stage": None}  # fmt: skip
-    test_paths = swebench.patch_paths(inst.test_patch)
+    test_patch = inst.test_patch.encode()
+    reference, test_paths = swebench_apply.test_files(repo, base, test_patch)
     final, test_diff = swebench_apply.with_test_patch(
-        repo, base, applied.tree, inst.test_patch.encode(), test_paths
+        repo, base, applied.tree, test_patch, test_paths
     )
+    runner: tuple[tuple[str, str], ...] = ()
+    if not inst.allow_test_infra:  # judged on the tree the tests would run on
+        runner = swebench_apply.runner_changes(repo, reference, final, job.spec.test_cmd)
+    if runner:  # the second write resets them too
+        final, test_diff = swebench_apply.with_test_patch(
+            repo, base, applied.tree, test_patch, test_paths + tuple(p for p, _ in runner)
+        )
     rid, parts = gitrun_run_id(ctx, job)
     env_bin = str(swebench_env.ensure_env(job.spec, job.inst.env_key))
     files = {
         "task.toml": _task_toml(job, base, repo_dir.resolve(), env_bin).encode(),
-        "plan.toml": _plan_toml(applied.stage, bool(test_diff)).encode(),
+        "plan.toml": _plan_toml(applied.stage, bool(test_diff), bool(runner)).encode(),
         "prediction.diff": applied.diff,
     } | ({"test.diff": test_diff} if test_diff else {})
     task_dir = _write_task(opts.workspace, rid, files)
@@ -217,7 +222,7 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
            "outcomes": state.verifier.outcomes, "gitrun_run_id": rid, "digests": parts,
            "summary": state.verifier.summary, "isolation": state.verifier.isolation,
            "output_log": str(kept), "test_command": _shown_command(job)}  # fmt: skip
-    return out | _infra_verdict(state.verifier.summary, kept, resolved)
+    return out | _reset_note(runner) | _infra_verdict(state.verifier.summary, kept, resolved)
 
 
 def _shown_command(job: Job) -> str:
@@ -240,6 +245,20 @@ def _infra_verdict(summary: str, kept: Path, resolved: bool) -> dict[str, Any]:
         "build steps belong in the spec's pre_install/install, which run before the tests"
     )
     return {"result": ERROR, "error_kind": READ_ONLY, "reason": why}  # fmt: skip
+
+
+def _reset_note(runner: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """What the second write put back to the base besides the test files, and why."""
+    if not runner:
+        return {}
+    more = f" and {len(runner) - 5} more" if len(runner) > 5 else ""
+    paths = ", ".join(path for path, _ in runner[:5]) + more
+    whys = "; ".join(f"{path}: {why}" for path, why in runner[:5]) + more
+    return {
+        "runner_reset": [{"path": path, "why": why} for path, why in runner],
+        "reason": f"the prediction changes test infrastructure ({paths}): reset to the base "
+        f"before the tests ran, as test files are ({whys})",
+    }
 
 
 def report_files(job: Job, out: dict[str, Any]) -> dict[str, bytes]:

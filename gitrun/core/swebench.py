@@ -25,13 +25,12 @@ __all__ = [
     "RepoSpec",
     "classify_text",
     "harness_log",
-    "infra_paths",
     "instance_report",
     "parse_instances",
     "parse_predictions",
     "parse_specs",
-    "patch_paths",
     "run_report",
+    "safe_component",
 ]
 
 # The harness's log markers (swebench.harness.constants, 4.x and 5.x alike): its grader
@@ -64,14 +63,8 @@ _INFRA_SIGNATURES = tuple(
     )
 )  # fmt: skip
 GOLD = "gold"
+_MAX_COMPONENT_BYTES = 200  # a file name holds 255; room for the report's suffixes
 GOLD_MODEL = "gold"
-# Files that configure pytest itself: a prediction changing them could force passes.
-_INFRA_NAMES = frozenset(
-    {"conftest.py", "pytest.ini", "tox.ini", "sitecustomize.py", "usercustomize.py"}
-)
-_INFRA_IF_PYTEST = frozenset({"setup.cfg", "pyproject.toml"})
-_DIFF_GIT = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
-_SIDE = re.compile(r"^(?:---|\+\+\+) (?:[ab]/)?(\S+)")
 
 
 @dataclass(frozen=True)
@@ -186,7 +179,7 @@ def parse_instances(data: bytes, what: str = "dataset") -> tuple[Instance, ...]:
         where = f"{what}: record {i}"
         if not isinstance(rec, dict):
             raise BadInput(f"{where} is not a JSON object")
-        iid = _str_field(rec, "instance_id", where)
+        iid = safe_component(_str_field(rec, "instance_id", where), f"{where}: instance_id")
         where = f"{what}: instance {iid}"
         if iid in seen:
             raise BadInput(f"{where} appears twice")
@@ -207,6 +200,24 @@ def parse_instances(data: bytes, what: str = "dataset") -> tuple[Instance, ...]:
     return tuple(out)
 
 
+def safe_component(value: str, what: str) -> str:
+    """``value`` when it is one safe path component (it names a log directory and a file
+    under ``--report-dir``); else a one-line :class:`BadInput` saying what to change."""
+    bad = (
+        not value
+        or value in (".", "..")
+        or len(value.encode("utf-8", "surrogateescape")) > _MAX_COMPONENT_BYTES
+        or any(c in "/\\" or not c.isprintable() for c in value)
+    )
+    if bad:
+        raise BadInput(
+            f"{what} {value[:80]!r} is not a safe file name: it must be 1 to "
+            f"{_MAX_COMPONENT_BYTES} bytes, not '.' or '..', with no '/', '\\' or control "
+            "characters"
+        )
+    return value
+
+
 def parse_predictions(
     data: bytes | None, instances: Sequence[Instance], what: str = "predictions"
 ) -> dict[str, Prediction]:
@@ -222,6 +233,7 @@ def parse_predictions(
         model = rec.get("model_name_or_path")
         if not isinstance(model, str) or not model.strip() or ".." in model:
             raise BadInput(f"{what}: {iid}: model_name_or_path must be a non-empty string")
+        safe_component(model.replace("/", "__"), f"{what}: {iid}: model_name_or_path")
         patch = rec.get("model_patch")
         if patch is not None and not isinstance(patch, str):
             raise BadInput(f"{what}: {iid}: model_patch must be a string or null")
@@ -251,45 +263,6 @@ def parse_specs(data: bytes, what: str = "spec file") -> dict[str, RepoSpec]:
             raise BadInput(f"{what}: {key} needs test_cmd")
         out[key] = spec
     return out
-
-
-def patch_paths(patch: str) -> tuple[str, ...]:
-    """Every path a unified diff names (both sides), in order, once."""
-    found: list[str] = []
-    for line in patch.splitlines():
-        m = _DIFF_GIT.match(line)
-        if m:
-            found += [m.group(1), m.group(2)]
-            continue
-        s = _SIDE.match(line)
-        if s and s.group(1) != "/dev/null":
-            found.append(s.group(1))
-    return tuple(dict.fromkeys(found))
-
-
-def infra_paths(patch: str) -> tuple[str, ...]:
-    """The paths of ``patch`` that configure pytest (conftest.py, pytest.ini, ...)."""
-    out = []
-    for path in patch_paths(patch):
-        name = path.rsplit("/", 1)[-1]
-        if (
-            name in _INFRA_NAMES
-            or name.endswith(".pth")
-            or (name in _INFRA_IF_PYTEST and "pytest" in _file_section(patch, path))
-        ):
-            out.append(path)
-    return tuple(out)
-
-
-def _file_section(patch: str, path: str) -> str:
-    """The changed lines of ``patch`` for ``path`` (its ``+``/``-`` lines)."""
-    lines, inside = [], False
-    for line in patch.splitlines():
-        if line.startswith("diff --git "):
-            inside = line.endswith(f" b/{path}")
-        elif inside and line[:1] in "+-" and not line.startswith(("+++", "---")):
-            lines.append(line)
-    return "\n".join(lines)
 
 
 def instance_report(
