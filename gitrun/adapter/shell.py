@@ -21,7 +21,6 @@ import errno
 import os
 import re
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from typing import IO
 
 import pygit2
 
-from gitrun.adapter import safefs, sandbox
+from gitrun.adapter import safefs, sandbox, scratch
 from gitrun.adapter.sandbox import Confinement, Layout, SandboxFailed
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, EnvironmentDrift, GateRejected
@@ -108,8 +107,7 @@ def run(
     worktree = worktree.resolve()
     cwd = worktree / action.cwd if action.cwd else worktree
     timeout = action.timeout_seconds or 60.0
-    with tempfile.TemporaryDirectory(prefix="gitrun-exec-", ignore_cleanup_errors=True) as tmp:
-        out = Path(tmp).resolve()
+    with scratch.private("gitrun-exec-") as out:
         home = out / "home"
         home.mkdir()
         blank = out / "blank"
