@@ -6,6 +6,7 @@ nothing of it reaches the user's git."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -14,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import Gitrun, git
+from conftest import SANDBOXES, Gitrun, git
+from session_client import Rpc
 from test_exec import RUN, assert_clean_at, branch, commits, task_with, worktree
 
 from gitrun.core.errors import Exit
@@ -41,7 +43,8 @@ def assert_refused_and_put_back(gitrun: Gitrun, code: int, err: str, rule: str) 
     """The step was refused by ``rule``: nothing committed, the worktree exactly HEAD,
     its .git gitrun's, and the run still readable (no crash, nothing wedged)."""
     assert code == Exit.FAILED, err  # refused; the rename with it: the tests fail
-    assert f"{rule}:" in err, err
+    assert f"{rule}:" in err, err  # (rule "": any; then "gate rejected" names it)
+    assert "gate rejected pending exec" in err, err
     assert "put back" in err, err
     assert commits(gitrun) == []
     assert_user_git_is_gitruns(gitrun)
@@ -185,6 +188,18 @@ def test_exec_output_over_a_limit_or_not_representable_is_refused_never_a_crash(
         subprocess.run(["rm", "-rf", str(worktree(gitrun) / "geometry" / "d")], check=False)
 
 
+@pytest.mark.parametrize(
+    "name", [".git./x", ".git /x", "GIT~1/x", "git~1/x", ".git::$INDEX_ALLOCATION/x"]
+)
+def test_names_git_refuses_under_core_protectntfs_are_refused_never_a_crash(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], name: str
+) -> None:
+    path = f"geometry/{name}"
+    command = f"mkdir -p '{path.rsplit('/', 1)[0]}' && echo x > '{path}'; {RENAME}"
+    code, err = run_steps(gitrun, sandbox_copy, command)
+    assert_refused_and_put_back(gitrun, code, err, "")
+
+
 def test_output_at_the_limits_is_committed(
     gitrun: Gitrun, sandbox_copy: Callable[[str], Path]
 ) -> None:
@@ -296,3 +311,36 @@ def test_a_command_cannot_reopen_any_descriptor_of_the_sandboxs_other_processes(
     assert "flock" not in seen
     assert str(gitdir) not in seen  # nothing of the hidden git dir, nor of the workspace
     assert str(gitrun.home) not in seen
+
+
+# -- over the session protocol ---------------------------------------------------------------
+
+
+def test_over_the_session_a_planted_git_and_a_huge_file_are_refused_and_the_session_goes_on(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    flag = tmp_path / "fsmonitor-ran"
+    rpc = Rpc(gitrun, str(SANDBOXES / "rename-api"), "--run-id", "s", "--isolation", "required")
+    rpc.call("initialize")
+    sed = "sed -i 's/calc_area/circle_area/g' geometry/*.py"
+    # the policy allows "sed -i *" only: a pattern is no boundary, the output check is
+    plant = f"{sed}; rm .git && git init -q . && {FSMONITOR.format(flag=flag)}"
+    refusals = [
+        (plant, "exec-dotgit"),
+        (f"{sed}; truncate -s 200G geometry/huge.bin", "exec-file-too-large"),
+        (f"{sed}; touch geometry/$'\\xff'.py", "exec-path-encoding"),
+        (f"{sed}; mkdir -p geometry/x/.git", "exec-dotgit"),
+    ]
+    for command, rule in refusals:
+        refused = rpc.fail("exec", command=command)
+        assert refused["data"]["rule"] == rule, (command, refused)
+        assert "put back" in refused["message"]
+    done = rpc.call("exec", command=sed)  # the session goes on; the same run commits
+    assert done["exit_code"] == 0
+    assert rpc.call("finish")["phase"] == "done"
+    assert rpc.close() == 0
+    record = json.loads((gitrun.home / "runs" / "s.json").read_text())
+    worktree_path = Path(record["worktree"])
+    git(worktree_path, "status")
+    assert not flag.exists()
+    assert git(worktree_path, "status", "--porcelain", "--untracked-files=all", "--ignored") == ""
