@@ -2,8 +2,9 @@
 
 The isolation setting (``auto``, ``required``, ``none``) decides whether the test command
 runs inside ``bwrap``: the root file system read-only, the scratch directories read-write,
-the workspace (keys, registry, other runs), the repository's common git dir, the keyring
-and ``/tmp`` replaced by empty tmpfs mounts, a private pid namespace, no capabilities,
+the workspace (keys, registry, other runs), the repository's common git dir, the keyring,
+gitrun's scratch root (:mod:`gitrun.adapter.scratch`: other runs' scratch) and ``/tmp``
+replaced by empty tmpfs mounts, a private pid namespace, no capabilities,
 loopback-only networking where the machine allows it.
 
 Either way the command runs under a small supervisor (:data:`SUPERVISOR`): it holds the
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from gitrun.adapter import scratch
 from gitrun.adapter.supervise import SUPERVISOR as SUPERVISOR  # noqa: PLC0414 - re-export
 from gitrun.adapter.supervise import SandboxFailed as SandboxFailed  # noqa: PLC0414 - re-export
 from gitrun.adapter.supervise import Supervised as Supervised  # noqa: PLC0414 - re-export
@@ -198,7 +200,7 @@ class Layout:
         if confinement.network == "loopback":
             args.append("--unshare-net")
         tmp = [Path("/tmp")] if self.private_tmp else []  # noqa: S108 - hidden, not used
-        hidden = _outermost([*tmp, *self.secrets])
+        hidden = _outermost([*tmp, *self.secrets, scratch.root()])  # own scratch: bound back
         for path in hidden:
             args += ["--tmpfs", str(path)]
         for path in self.secret_files:

@@ -31,7 +31,6 @@ import secrets
 import select
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from gitrun.adapter.sandbox import (
     Layout,
     SandboxFailed,
 )
+from gitrun.adapter.scratch import private as private_scratch
 from gitrun.core.errors import BadInput
 from gitrun.core.junit import (
     ERROR,
@@ -165,8 +165,7 @@ def run_verifier(
     ticker = _Ticker(heartbeat, progress, heartbeat_interval)
     hide = secrets or Secrets()
     workdir = workdir.resolve()
-    with tempfile.TemporaryDirectory(prefix="gitrun-verifier-", ignore_cleanup_errors=True) as tmp:
-        out = Path(tmp).resolve()
+    with private_scratch("gitrun-verifier-") as out:  # no other run's sandbox shows it
         report = out / "junit.xml"
         with _Channel(out if spec.junit else None) as channel:
             run, tail = _run_command(spec, workdir, out, ticker, confinement, hide, channel)
