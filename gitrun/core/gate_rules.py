@@ -22,6 +22,7 @@ from typing import Protocol
 
 from gitrun.core import exec_policy
 from gitrun.core.errors import GateRejected
+from gitrun.core.git_names import DOTGIT_PREFIX, MODE_LINK, is_dotgit, verify_path_problem
 from gitrun.core.patch import changed_line_count, touched_paths
 from gitrun.core.patch_plan import BLOB, EXECUTABLE, LINK, TREE, TreeView, parsed, plan_patch
 from gitrun.core.records import EXEC, REWIND, Action, Budgets, kind_allowed
@@ -154,6 +155,7 @@ def normalise_path(raw: str | None) -> str:
         raise GateRejected("path-empty", f"{raw} names the repository root, not a file")
     if any(part.lower() == ".git" for part in path.split("/")):
         raise GateRejected("path-git-dir", f"{raw} is inside .git")
+    check_git_path(path)
     size = len(path.encode("utf-8", "surrogateescape"))
     if size > MAX_PATH_BYTES:
         raise GateRejected(
@@ -166,6 +168,17 @@ def normalise_path(raw: str | None) -> str:
             "path-too-long", f"{path[:60]}... has a name over {MAX_NAME_BYTES} bytes"
         )
     return path
+
+
+def check_git_path(path: str, mode: int = 0o100644) -> None:
+    """Refuse what git's ``verify_path`` refuses (``core.protectNTFS``/``protectHFS`` on):
+    a name some file system reads as ``.git`` would make git and libgit2 refuse the
+    commit after the intent is checkpointed."""
+    why = verify_path_problem(path, mode)
+    if why is None:
+        return
+    rule = "path-git-dir" if is_dotgit(why) else "path-not-normal"
+    raise GateRejected(rule, f"git refuses {path!r}: {why.removeprefix(DOTGIT_PREFIX)}")
 
 
 def _through_link(prefix: str, tree: TreeView, disk: DiskView | None) -> bool:
@@ -288,6 +301,7 @@ class Rules:
                 f"the patch makes {path} a symlink; policy {self.policy.id} does not allow "
                 "symlinks (allow_symlinks = true in [policy])",
             )
+        check_git_path(path, MODE_LINK)
         parts = link_target(path, target).split("/")
         for i in range(1, len(parts)):
             prefix = "/".join(parts[:i])
