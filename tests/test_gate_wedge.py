@@ -6,6 +6,7 @@ checkpointed, and the session goes on."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,7 +159,9 @@ def test_the_mcp_server_answers_an_unreadable_line_and_goes_on(gitrun: Gitrun) -
              "clientInfo": {"name": "t", "version": "1"}}  # fmt: skip
     rpc.send_raw(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
                              "params": hello}).encode() + b"\n")  # fmt: skip
-    assert "result" in rpc.read()
+    hello_reply = rpc.read()
+    assert isinstance(hello_reply, dict)
+    assert "result" in hello_reply
     rpc.send_raw(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n')
     for line in (_nested(100_000), b'{"jsonrpc":"2.0","id":5,"method":"ping","x":"\\ud800"\n'):
         rpc.send_raw(line)
@@ -172,3 +175,54 @@ def test_the_mcp_server_answers_an_unreadable_line_and_goes_on(gitrun: Gitrun) -
     assert isinstance(observed, dict)
     assert json.loads(observed["result"]["content"][0]["text"])["phase"] == "running"
     assert rpc.close() == 8
+
+
+HIDDEN = [
+    "stats/a\nb.py",
+    "stats/a\rb.py",
+    "stats/a\tb.py",
+    "stats/\x1b[31m.py",
+    "stats/\u202eyp.txt",
+    "stats/a\u200bb.py",
+    "stats/\u2066x.py",
+    "stats/a\x85b.py",
+]
+
+
+def test_paths_with_hidden_characters_are_refused_by_their_own_rule(gitrun: Gitrun) -> None:
+    """Not `path-not-allowlisted ... ['**']` (issue #27 §6): the rule names the character."""
+    rpc = Rpc(gitrun, TASK, "--run-id", "h1", *LONG_LEASE)
+    rpc.call("initialize", protocol="gitrun/1")
+    for path in HIDDEN:
+        err = rpc.fail("write_file", path=path, content="x\n")
+        assert err["data"]["rule"] == "path-hidden-character", (path, err)
+        assert "U+" in err["message"]
+        assert "allow_hidden_characters" in err["message"]
+        if all(ord(c) >= 0x20 for c in path):  # the patch parser refuses C0 controls itself
+            err = rpc.fail("apply_patch", patch=new_file_patch(path))
+            assert err["data"]["rule"] == "path-hidden-character", (path, err)
+    assert rpc.call("observe")["pending"] is None
+    rpc.close()
+
+
+def test_a_policy_may_allow_hidden_characters_and_then_the_allowlist_sees_them(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    task = tmp_path / "fix-median"
+    shutil.copytree(SANDBOXES / "fix-median", task)
+    toml = (task / "task.toml").read_text()
+    (task / "task.toml").write_text(
+        toml.replace(
+            'forbidden_paths = ["tests/**"]',
+            'forbidden_paths = ["tests/**"]\nallow_hidden_characters = true',
+        )
+    )
+    rpc = Rpc(gitrun, str(task), "--run-id", "h2", *LONG_LEASE)
+    rpc.call("initialize", protocol="gitrun/1")
+    done = rpc.call("write_file", path="stats/a\nb.py", content="x = 1\n")
+    assert done["paths"] == ["stats/a\nb.py"]
+    err = rpc.fail("write_file", path="tests/a\nb.py", content="x = 1\n")
+    assert err["data"]["rule"] == "path-forbidden", err  # "tests/**" covers the newline
+    rpc.close()
+    names = git(gitrun.repo("fix-median"), "ls-tree", "-r", "-z", "--name-only", "gitrun/h2")
+    assert "stats/a\nb.py" in names.split("\0")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -77,7 +78,7 @@ def _glob_regex(pattern: str) -> re.Pattern[str]:
         else:
             out.append(re.escape(pattern[i]))
             i += 1
-    return re.compile("".join(out) + r"\Z")
+    return re.compile("".join(out) + r"\Z", re.DOTALL)  # "**" matches every character
 
 
 def glob_match(path: str, pattern: str) -> bool:
@@ -170,6 +171,27 @@ def normalise_path(raw: str | None) -> str:
     return path
 
 
+# Zero-width and bidi-control code points: invisible, or reordering what is shown, so a
+# reviewer reads another path than the one written (Unicode's Default_Ignorable and
+# Bidi_Control sets, the ones a path can plausibly hold).
+HIDDEN_CODE_POINTS = frozenset(
+    (0x00AD, 0x034F, 0x061C, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x180E, 0x3164, 0xFFA0,
+     *range(0x180B, 0x1810), *range(0x200B, 0x2010), 0x2028, 0x2029, *range(0x202A, 0x202F),
+     *range(0x2060, 0x2070), *range(0xFE00, 0xFE10), 0xFEFF, *range(0xFFF0, 0xFFF9),
+     *range(0x1D173, 0x1D17B), *range(0xE0000, 0xE1000))
+)  # fmt: skip
+
+
+def hidden_character(path: str) -> str | None:
+    """The first control, zero-width or bidi character of ``path``, named, or None."""
+    for ch in path:
+        code = ord(ch)
+        if code < 0x20 or 0x7F <= code < 0xA0 or code in HIDDEN_CODE_POINTS:
+            name = unicodedata.name(ch, "a control character")
+            return f"U+{code:04X} ({name})"
+    return None
+
+
 def check_git_path(path: str, mode: int = 0o100644) -> None:
     """Refuse what git's ``verify_path`` refuses (``core.protectNTFS``/``protectHFS`` on):
     a name some file system reads as ``.git`` would make git and libgit2 refuse the
@@ -253,6 +275,15 @@ class Rules:
     ) -> None:
         """Every path rule; ``link_ok``: ``path`` itself may be a symlink (only its parents
         may not), as a symlink an exec step made is checked by its own rules."""
+        if not self.policy.allow_hidden_characters:
+            hidden = hidden_character(path)
+            if hidden is not None:
+                raise GateRejected(
+                    "path-hidden-character",
+                    f"{path!r} holds {hidden}, which a reader cannot see or which reorders "
+                    f"what is shown; rename it (policy {self.policy.id} would need "
+                    "allow_hidden_characters = true in [policy])",
+                )
         parts = path.split("/")
         for i in range(1, len(parts) + (0 if link_ok else 1)):
             prefix = "/".join(parts[:i])
