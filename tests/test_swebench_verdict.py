@@ -10,6 +10,7 @@ Every attack here is a prediction that leaves the bug in place; each was graded
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -379,22 +380,28 @@ def test_a_run_id_or_model_name_that_would_leave_the_report_dir_is_refused(
 def test_the_plugin_is_importable_in_the_sandbox_and_read_only_there(
     gitrun: Gitrun, world: Path
 ) -> None:
+    # what the probe found becomes median()'s result, so a failing test's message shows it
     probe = (
-        "\n\nimport sys as _s\n\n"
+        "\n\nimport errno as _e, sys as _s\n\n"
         "_plugin = _s.modules['gitrun_verdict'].__file__\n"
+        "_found = []\n"
         "for _target in (_plugin, _plugin + '.new'):\n"
         "    try:\n"
         "        open(_target, 'a').close()\n"
-        "        print('PLUGIN-WRITABLE', _target)\n"
+        "        _found.append('WRITABLE')\n"
         "    except OSError as _exc:\n"
-        "        print('PLUGIN-PROTECTED', _exc.strerror)\n"
+        "        _found.append(_e.errorcode[_exc.errno])\n\n\n"
+        "def median(data):\n"
+        "    return 'PLUGIN:' + ':'.join(_found)\n"
     )
-    patch = prediction(world, {"stats/median.py": median_with("").replace(ATEXIT_REWRITE, "")
-                               + probe}, fixed=False)  # fmt: skip
+    source = (FIX.parent.parent / "repo" / "stats" / "median.py").read_text()
+    patch = prediction(world, {"stats/median.py": source + probe})
     report, meta, log = run(gitrun, world, patch)
     assert meta["isolation"] == "bwrap"
-    assert "PLUGIN-WRITABLE" not in log
-    assert log.count("PLUGIN-PROTECTED Read-only file system") == 2, log
+    assert "WRITABLE" not in log
+    # the file is 0444 (EACCES: no capability overrides it in the sandbox); a new file in
+    # its directory meets the read-only mount (EROFS)
+    assert re.search(r"PLUGIN:(EACCES|EROFS):EROFS", log), log
     assert report["unresolved_ids"] == [MEDIAN]
 
 
