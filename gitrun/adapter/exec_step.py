@@ -272,11 +272,12 @@ def _checked_tree(
 ) -> pygit2.Oid:
     """The tree the change makes, if every changed path passes the gate; else the worktree
     is put back to ``old`` and :class:`ExecRefused` names the rule."""
-    oid = trees.tree_with_changes(env.repo, old, as_tree_changes(changes))
-    new = env.repo[oid]
-    if not isinstance(new, pygit2.Tree):
-        raise EnvironmentDrift("exec-tree", f"{oid} is not a tree")
     try:
+        gate.check_exec_names(changes)  # a name git refuses would fail the tree write
+        oid = trees.tree_with_changes(env.repo, old, as_tree_changes(changes))
+        new = env.repo[oid]
+        if not isinstance(new, pygit2.Tree):
+            raise EnvironmentDrift("exec-tree", f"{oid} is not a tree")
         gate.check_exec_changes(changes, old, new)
     except GateRejected as exc:
         discarded = put_back(env, old, fence)
