@@ -226,3 +226,34 @@ def test_a_policy_may_allow_hidden_characters_and_then_the_allowlist_sees_them(
     rpc.close()
     names = git(gitrun.repo("fix-median"), "ls-tree", "-r", "-z", "--name-only", "gitrun/h2")
     assert "stats/a\nb.py" in names.split("\0")
+
+
+@pytest.mark.parametrize(
+    ("made", "rule"),
+    [
+        ("geometry/GIT~1/x", "path-git-dir"),
+        ("geometry/.git /x", "path-git-dir"),
+        ("geometry/.git::$INDEX_ALLOCATION/x", "path-git-dir"),
+        ("geometry/.gi\u200ct/x", "path-git-dir"),
+        ("geometry/a\u202eb.py", "path-hidden-character"),
+    ],
+)
+def test_an_exec_making_a_name_git_refuses_is_a_refused_step_not_a_crash(
+    gitrun: Gitrun, tmp_path: Path, made: str, rule: str
+) -> None:
+    task = tmp_path / "rename-api"
+    shutil.copytree(SANDBOXES / "rename-api", task)
+    toml = (task / "task.toml").read_text()
+    (task / "task.toml").write_text(toml.replace('allow = ["sed -i *"]', 'allow = ["*"]'))
+    rpc = Rpc(gitrun, str(task), "--run-id", "x1", *LONG_LEASE)
+    rpc.call("initialize", protocol="gitrun/1")
+    parent = made.rpartition("/")[0]
+    err = rpc.fail(
+        "exec", command=["sh", "-c", 'mkdir -p "$1" && echo x > "$2"', "sh", parent, made]
+    )
+    assert err["data"]["rule"] == rule, err
+    assert "put back" in err["message"]
+    assert not (gitrun.home / "worktrees" / "x1" / made).exists()
+    done = rpc.call("exec", command="sed -i s/calc_area/circle_area/g geometry/*.py")
+    assert done["exit_code"] == 0  # the session goes on
+    assert rpc.close() == 8

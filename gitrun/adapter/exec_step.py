@@ -275,6 +275,7 @@ def _checked_output(
     try:
         _check_dotgit(env)
         changes = shell.scan(env.repo, env.worktree, old, write=True, limits=limits, fix_modes=True)
+        gate.check_exec_names(changes)  # a name git refuses would fail the tree write
         oid = _representable_tree(env, old, changes)
         new = env.repo[oid]
         if not isinstance(new, pygit2.Tree):

@@ -400,6 +400,16 @@ class Rules:
             raise GateRejected("rewind-no-change", "HEAD already has that tree; nothing to do")
         self.check_exec_changes(rewind.changes, tree, rewind.target)
 
+    def check_exec_names(self, changes: Changes) -> None:
+        """Every path an exec step made, under git's name rules alone (``normalise_path``
+        with ``verify_path``, a symlink's own): the ones a tree write would fail on."""
+        for path, found in sorted(changes.items()):
+            if found is None:
+                continue
+            if normalise_path(path) != path:
+                raise GateRejected("path-not-normal", f"the command made {path!r}")
+            check_git_path(path, found[0])
+
     def check_exec_changes(self, changes: Changes, old: TreeView, new: TreeView) -> None:
         """Every path an exec step changed, under the rules a write of it would meet: the
         old path in the old tree, the new one in the new tree; links and special files."""

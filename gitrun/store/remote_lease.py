@@ -28,6 +28,7 @@ from gitrun.store.lease import (
     LeaseManager,
     _owner_lock_path,
     lease_ref,
+    next_version,
     owner_alive,
     read_lease,
 )
@@ -76,13 +77,13 @@ class RemoteLeaseStore(LeaseManager):
     def _where(self) -> str:
         return f", lease on {self.site.url}"
 
-    def acquire(self, state_version: int, takeover_after: float | None = None) -> Lease:
+    def acquire(
+        self, state_version: int, takeover_after: float | None = None, *, floor: int = 0
+    ) -> Lease:
         """Take the lease (see the LeaseStore contract) by one leased push."""
         current, oid = self.check_takeable(takeover_after)
         now = time.time()
-        version = 1 if current is None else current.lease_version
-        if current is not None and current.owner_worker != self.worker:
-            version += 1
+        version = next_version(current, self.worker, floor)
         lease = Lease(
             1, self.run_id, self.worker, version, now + self.duration, state_version, now, now
         )
