@@ -167,11 +167,13 @@ class Layout:
     chdir: Path
     blank: Path | None = None  # an empty file bound over each of ``secret_files``
     private_tmp: bool = True  # an empty /tmp; False: the host's, read-only (an agent's)
+    binds: tuple[tuple[Path, Path, bool], ...] = ()  # (source, destination, writable), last
 
     @classmethod
     def of(
         cls, writable: Sequence[Path], secret_dirs: Sequence[Path], secret_files: Sequence[Path],
         chdir: Path, blank: Path | None = None, *, private_tmp: bool = True,
+        binds: Sequence[tuple[Path, Path, bool]] = (),
     ) -> Layout:  # fmt: skip
         """Hide a secret file's directory when nothing the tests need lives under it.
 
@@ -187,7 +189,7 @@ class Layout:
                 hidable = parent != Path("/") and not any(_under(n, parent) for n in needed)
                 (dirs if hidable else files).append(parent if hidable else f)
         kept = tuple(p.resolve() for p in writable)
-        return cls(kept, tuple(dirs), tuple(files), chdir, blank, private_tmp)
+        return cls(kept, tuple(dirs), tuple(files), chdir, blank, private_tmp, tuple(binds))
 
     def bwrap_args(self, confinement: Confinement) -> list[str]:
         """Mount order matters: a later tmpfs over a parent would hide earlier binds."""
@@ -210,6 +212,8 @@ class Layout:
                 args += ["--ro-bind", str(path), str(path)]
         for path in self.writable:
             args += ["--bind", str(path), str(path)]
+        for source, target, writable in self.binds:  # e.g. an exec step's git view
+            args += ["--bind" if writable else "--ro-bind", str(source), str(target)]
         return [*args, "--chdir", str(self.chdir)]
 
 
