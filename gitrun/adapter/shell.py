@@ -87,6 +87,10 @@ def child_env(action: Action, home: Path, *, confined: bool) -> dict[str, str]:
     for name in action.env or ():
         if name in os.environ and not name.startswith("GITRUN_"):
             env[name] = os.environ[name]
+    for pair in action.set_env or ():  # the step's own values (checked by the gate)
+        name, _, value = pair.partition("=")
+        if not name.startswith("GITRUN_"):
+            env[name] = value
     return env
 
 
