@@ -17,11 +17,14 @@ submits all the same: running it would print the marker and change nothing.
 Every key mini-swe-agent's shipped configs put under ``environment`` is accepted, so
 ``mini -c <config> --environment-class gitrun.integrations.minisweagent.GitrunEnvironment``
 runs with each of them: ``env`` (and ``forward_env``) are set for every command, ``cwd``
-is relative to the worktree root (an absolute one under ``root``, ``/testbed`` by default,
-is taken relative to it), ``timeout`` is bounded by the policy's ``max_timeout_seconds``,
-``interpreter`` runs the command (``["bash", "-c"]``: as the command string the policy's
+is relative to the worktree root (an absolute one under one of ``roots``, by default
+``/testbed`` and ``/workspace`` as mini's benchmark configs say, is taken relative to
+it), ``timeout`` is bounded by the policy's ``max_timeout_seconds``, ``interpreter`` runs
+the command (``["bash", "-c"]``: as the command string the policy's
 patterns match); the container keys (``image``, ``run_args``, ``container_timeout``…) mean
-nothing here (gitrun's sandbox is bubblewrap) and are accepted and ignored.
+nothing here (gitrun's sandbox is bubblewrap) and are accepted and ignored. An absolute
+``BASH_ENV`` (``benchmarks/swebench.yaml`` names the image's ``/root/.bashrc``) is not
+passed: on the host it would be the user's own shell startup file (``keep_bash_env``).
 
 Each command's idempotency key is made from its position in this agent's sequence and
 the command (:func:`gitrun.integrations.session_client.step_key`): an agent killed and
@@ -74,14 +77,18 @@ class GitrunEnvironmentConfig:
     repo: str | None = None
     workspace: str | None = None  # GITRUN_HOME (default: the user's data dir)
     key_file: str | None = None
-    cwd: str = ""  # the commands' directory, relative to the worktree root (or under root)
+    cwd: str = ""  # the commands' directory, relative to the worktree (or under a root)
     timeout: float | None = None  # seconds per command, at most (and by default) the policy's
     env: dict[str, str] = field(default_factory=dict)  # variables set for every command
     forward_env: list[str] = field(default_factory=list)  # names passed on from this process
     interpreter: list[str] = field(default_factory=lambda: ["bash", "-c"])
-    root: str = "/testbed"  # the absolute path mini's SWE-bench configs give the repository
+    # the absolute paths mini's configs give the repository (SWE-bench, ProgramBench)
+    roots: list[str] = field(default_factory=lambda: ["/testbed", "/workspace"])
+    keep_bash_env: bool = False  # pass an absolute BASH_ENV on (see _params)
     key_prefix: str = "mini"
     lease_seconds: float = 30.0
+    takeover_after: float | None = None  # on start: take a lease not renewed this long
+    isolation: str | None = None  # auto, required or none (default: the task's)
     max_restarts: int = 3
     gitrun: list[str] = field(default_factory=list)  # the CLI argv (default: this Python's)
     # mini's container environments' keys: accepted so their configs load, meaningless here
@@ -107,7 +114,7 @@ class GitrunEnvironment:
         kwargs.pop("environment_class", None)  # mini's own selector, when given directly
         self.config: GitrunEnvironmentConfig = config_class(**kwargs)
         c = self.config
-        self.cwd = _relative_cwd(c.cwd, c.root)  # refused before any gitrun starts
+        self.cwd = _relative_cwd(c.cwd, c.roots)  # refused before any gitrun starts
         self.max_timeout = _max_timeout(Path(c.task_dir))
         self.run_id = c.run_id or f"mini-{uuid.uuid4().hex[:12]}"
         options = SessionOptions(
@@ -118,6 +125,8 @@ class GitrunEnvironment:
             key_file=None if c.key_file is None else Path(c.key_file),
             lease_seconds=c.lease_seconds,
             max_restarts=c.max_restarts,
+            isolation=c.isolation,
+            takeover_after=c.takeover_after,
         )
         if c.gitrun:
             options.gitrun = list(c.gitrun)
@@ -161,7 +170,7 @@ class GitrunEnvironment:
         params: dict[str, Any] = {
             "command": command if interpreter == ["bash", "-c"] else [*interpreter, command]
         }
-        where = _relative_cwd(cwd, c.root) if cwd else self.cwd
+        where = _relative_cwd(cwd, c.roots) if cwd else self.cwd
         if where:
             params["cwd"] = where
         seconds = timeout or c.timeout
@@ -169,6 +178,10 @@ class GitrunEnvironment:
             params["timeout_seconds"] = min(float(seconds), self.max_timeout or float(seconds))
         env = {name: os.environ[name] for name in c.forward_env if name in os.environ}
         env |= {str(k): str(v) for k, v in c.env.items()}
+        if not c.keep_bash_env and env.get("BASH_ENV", "").startswith("/"):
+            # mini's SWE-bench configs name the container image's /root/.bashrc: on this
+            # host, inside gitrun's sandbox, that is the user's own shell startup file
+            del env["BASH_ENV"]
         if env:
             params["env"] = env
         return params
@@ -252,18 +265,20 @@ def _max_timeout(task_dir: Path) -> float | None:
     return None if shell is None else shell.max_timeout_seconds
 
 
-def _relative_cwd(cwd: str, root: str) -> str:
+def _relative_cwd(cwd: str, roots: list[str]) -> str:
     """``cwd`` relative to the worktree root: a relative one as it is, an absolute one
-    under ``root`` (mini's SWE-bench configs say ``/testbed``) relative to ``root``."""
+    under one of ``roots`` (mini's SWE-bench configs say ``/testbed``) relative to it."""
     if not cwd.startswith("/"):
         return cwd
-    path, top = PurePosixPath(cwd), PurePosixPath(root)
-    if root and (path == top or top in path.parents):
-        rel = path.relative_to(top).as_posix()
-        return "" if rel == "." else rel
+    path = PurePosixPath(cwd)
+    for root in roots:
+        top = PurePosixPath(root)
+        if root.startswith("/") and (path == top or top in path.parents):
+            rel = path.relative_to(top).as_posix()
+            return "" if rel == "." else rel
     raise ValueError(
         f"GitrunEnvironment: cwd {cwd!r} is outside the worktree: give it relative to the "
-        f"worktree root, or under root ({root!r}, set environment.root to change it)"
+        f"worktree root, or under one of environment.roots {roots}"
     )
 
 

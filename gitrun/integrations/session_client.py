@@ -67,10 +67,15 @@ class SessionOptions:
     max_restarts: int = 3
     gitrun: list[str] = field(default_factory=lambda: [sys.executable, "-m", "gitrun"])
     env: dict[str, str] | None = None  # the child's environment (default: this process's)
+    isolation: str | None = None  # --isolation (default: the task's)
+    takeover_after: float | None = None  # the first start's --takeover-after (an agent
+    # started again after a crash need not wait for the dead gitrun's lease to expire)
 
     def common(self) -> list[str]:
         """The options every gitrun command of this run takes."""
         out = ["--lease-seconds", str(self.lease_seconds)]
+        if self.isolation is not None:
+            out += ["--isolation", self.isolation]
         if self.workspace is not None:
             out += ["--workspace", str(self.workspace)]
         if self.key_file is not None:
@@ -97,6 +102,8 @@ class SessionClient:
     def _start_argv(self) -> list[str]:
         o = self.options
         argv = ["session", str(o.task_dir), "--run-id", o.run_id, *o.common()]
+        if o.takeover_after is not None:
+            argv += ["--takeover-after", str(o.takeover_after)]
         return argv + (["--repo", str(o.repo)] if o.repo is not None else [])
 
     def _resume_argv(self) -> list[str]:
