@@ -20,7 +20,7 @@ import pytest
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
 pytest.importorskip("minisweagent")
 
-from conftest import SANDBOXES, git
+from conftest import ROOT, SANDBOXES, git
 from minisweagent.agents.default import DefaultAgent
 from minisweagent.config import builtin_config_dir, get_config_from_spec
 from minisweagent.models.test_models import DeterministicModel, make_output
@@ -257,3 +257,31 @@ def test_a_different_command_at_a_replayed_position_is_a_new_step_not_a_conflict
     ]  # fmt: skip
     tree = git(repo_of(workspace), "ls-tree", "-r", "--name-only", "gitrun/fork").split()
     assert {"stats/one.txt", "stats/two.txt"} <= set(tree)
+
+
+def test_the_walkthrough_in_docs_agents_git_runs_as_printed(tmp_path: Path) -> None:
+    """docs/agents-git.md's walkthrough, its commands as printed (but the venv set-up:
+    this test runs in one), in the checkout, with mini's and gitrun's own entry points."""
+    doc = (ROOT / "docs" / "agents-git.md").read_text()
+    block = doc.split("### Walkthrough", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    lines = block.splitlines()
+    assert lines[0].startswith("python3 -m venv")
+    assert lines[1].startswith("pip install")
+    env = os.environ | {
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "TMPDIR": str(tmp_path),  # where the walkthrough's mktemp makes its workspace
+        "MSWEA_SILENT_STARTUP": "1",
+        "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "mini-config"),
+    }
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", "\n".join(lines[2:])], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=240, check=False, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    assert "gitrun run mini-demo: done (8/8 required tests passed)" in said
+    assert " M stats/median.py" in said
+    receipts = [line for line in done.stdout.splitlines() if " mini-0000" in line]
+    assert len(receipts) == 5, done.stdout
+    assert "patch.txt" in receipts[3]
+    assert "verifier on" in done.stdout

@@ -43,13 +43,15 @@ def world(tmp_path: Path, envs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def batch(gitrun: Gitrun, world: Path, preds: str, *extra: str, run_id: str = "r1") -> Any:
+def batch(
+    gitrun: Gitrun, world: Path, preds: str, *extra: str, run_id: str = "r1", code: int = 0
+) -> Any:
     res = gitrun.run((
         "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", preds,
         "--repos", str(world / "repos"), "--run-id", run_id,
         "--report-dir", str(world / "out"), "--json", *extra,
     ), timeout=BATCH_SECONDS)  # fmt: skip
-    assert res.code == 0, res.err
+    assert res.code == code, res.err
     return json.loads(res.out)
 
 
@@ -88,7 +90,9 @@ def test_gold_resolves_every_instance_in_swebench_report_shapes(
 ) -> None:
     report = batch(gitrun, world, "gold")
     on_disk = json.loads((world / "out" / "gold.r1.json").read_text())
-    assert on_disk == {k: v for k, v in report.items() if k not in ("report_file", "line")}
+    assert on_disk == {
+        k: v for k, v in report.items() if k not in ("report_file", "line", "error_lines")
+    }
     assert on_disk["schema_version"] == 2
     assert (on_disk["total_instances"], on_disk["resolved_instances"]) == (2, 2)
     assert on_disk["resolved_ids"] == on_disk["completed_ids"] == IDS
@@ -96,7 +100,8 @@ def test_gold_resolves_every_instance_in_swebench_report_shapes(
     one = instance_report(world, "gold", MEDIAN)
     body = one[MEDIAN]
     assert set(body) == {
-        "patch_is_None", "patch_exists", "patch_successfully_applied", "resolved", "tests_status"
+        "patch_is_None", "patch_exists", "patch_successfully_applied", "resolved",
+        "infra_failure", "tests_status",
     }  # fmt: skip
     assert body["resolved"]
     assert body["patch_successfully_applied"]
@@ -106,10 +111,13 @@ def test_gold_resolves_every_instance_in_swebench_report_shapes(
     assert "tests/test_median.py::test_even_length_four" in f2p["success"]
     out_dir = world / "out" / "logs" / "run_evaluation" / "r1" / "gold" / MEDIAN
     output = (out_dir / "test_output.txt").read_text()
-    # the test command's own output (pytest's closing line), then gitrun's summary after it
+    # the test command's own output (pytest's closing line) between the harness's markers,
+    # its exit status after them, then gitrun's summary
     said = re.search(r"^\d+ passed in [\d.]+s$", output, re.M)
     assert said is not None, output
-    assert output.index("result: resolved") > said.end()
+    start, end = output.index(">>>>> Start Test Output"), output.index(">>>>> End Test Output")
+    assert start < said.start() < end < output.index(">>>>> Test Exit Code: 0")
+    assert output.index("result: resolved") > end
     assert json.loads((out_dir / "gitrun.json").read_text())["stage"] == "strict"
     # each instance: one gitrun run with exactly two receipts (prediction, test patch)
     assert list(receipts(world, "fix-median").values()) == [2]
@@ -163,14 +171,17 @@ def test_wrong_hunk_counts_are_applied_by_the_recount_stage_and_recorded_so(
 
 def test_a_patch_that_needs_fuzz_is_refused_and_never_applied(gitrun: Gitrun, world: Path) -> None:
     fuzzy = _gold(MEDIAN).replace("     mid = n // 2\n", "     mid = len(data) // 2\n")
-    report = batch(gitrun, world, preds_file(world, "p", {MEDIAN: fuzzy}), "--instance-ids", MEDIAN)
+    report = batch(
+        gitrun, world, preds_file(world, "p", {MEDIAN: fuzzy}), "--instance-ids", MEDIAN, code=1
+    )
     assert report["error_ids"] == [MEDIAN]
     assert report["resolved_instances"] == 0
-    body = instance_report(world, "m", MEDIAN)[MEDIAN]
-    assert body == {
-        "patch_is_None": False, "patch_exists": True,
-        "patch_successfully_applied": False, "resolved": False,
-    }  # fmt: skip
+    assert "patch did not apply" in report["gitrun_error_reasons"][MEDIAN]
+    # as the harness leaves it: no report.json (so its run report counts an error too),
+    # the reason in run_instance.log after its marker
+    where = world / "out" / "logs" / "run_evaluation" / "r1" / "m" / MEDIAN
+    assert sorted(p.name for p in where.iterdir()) == ["gitrun.json", "run_instance.log"]
+    assert ">>>>> Patch Apply Failed:" in (where / "run_instance.log").read_text()
     assert receipts(world, "fix-median") == {}  # no run, no write
 
 
@@ -337,16 +348,20 @@ def test_two_batch_commands_on_one_run_id_share_the_work_and_write_once(
         assert list(receipts(world, repo).values()) == [2]
 
 
-def test_an_environment_cache_under_tmp_is_refused_by_name(gitrun: Gitrun, world: Path) -> None:
+def test_an_environment_cache_under_tmp_is_refused_by_name_before_anything_runs(
+    gitrun: Gitrun, world: Path
+) -> None:
     res = gitrun(
         "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", "gold",
         "--repos", str(world / "repos"), "--run-id", "t", "--report-dir", str(world / "out"),
         "--json", GITRUN_SWEBENCH_ENVS=str(world / "envs"),
     )  # fmt: skip
-    report = json.loads(res.out)
-    assert report["error_ids"] == IDS
-    why = world / "out" / "logs" / "run_evaluation" / "t" / "gold" / MEDIAN / "test_output.txt"
-    assert "lies under /tmp" in why.read_text()
+    assert res.code == 2
+    assert len(res.err.strip().splitlines()) == 1
+    assert "lies under /tmp" in res.err
+    assert "GITRUN_SWEBENCH_ENVS" in res.err
+    assert not (world / "out").exists()
+    assert receipts(world, "fix-median") == {}
 
 
 def test_a_bare_repository_is_run_in_a_shared_working_clone_and_left_unchanged(
@@ -370,6 +385,7 @@ def test_a_bare_repository_is_run_in_a_shared_working_clone_and_left_unchanged(
         ({"--dataset": "missing.jsonl"}, "no such file"),
         ({"--predictions": "bad.jsonl"}, "line 1 is not JSON"),
         ({"--instance-ids": "nope"}, "nope is not in"),
+        ({"--predictions": "stranger.jsonl"}, "instance nobody__nothing-1 is not in the dataset"),
         ({"spec": "gone"}, "no test_cmd in the record"),
     ],
 )
@@ -377,6 +393,8 @@ def test_bad_inputs_are_one_line_and_exit_2_with_nothing_run(
     gitrun: Gitrun, world: Path, change: dict[str, str], words: str
 ) -> None:
     (world / "bad.jsonl").write_text("{not json\n")
+    stranger = {"instance_id": "nobody__nothing-1", "model_name_or_path": "m", "model_patch": "x"}
+    (world / "stranger.jsonl").write_text(json.dumps(stranger) + "\n")
     if change.pop("spec", None):
         (world / "repos" / "gitrun-swebench.json").unlink()
     opts = {"--dataset": str(BUNDLE / "instances.jsonl"), "--predictions": "gold"}
@@ -388,3 +406,36 @@ def test_bad_inputs_are_one_line_and_exit_2_with_nothing_run(
     assert len(res.err.strip().splitlines()) == 1
     assert words in res.err
     assert receipts(world, "fix-median") == {}
+
+
+@pytest.mark.parametrize("form", ["spaces", "commas", "repeated"])
+def test_instance_ids_take_the_harness_form_and_the_repeated_one(
+    gitrun: Gitrun, world: Path, form: str
+) -> None:
+    ids = {
+        "spaces": ["--instance-ids", SLUG, MEDIAN],
+        "commas": ["--instance-ids", f"{SLUG},{MEDIAN}"],
+        "repeated": ["--instance-ids", SLUG, "--instance-ids", MEDIAN],
+    }[form]
+    report = batch(gitrun, world, str(BUNDLE / "preds-wrong.jsonl"), *ids)
+    assert report["unresolved_ids"] == IDS
+
+
+def test_a_batch_with_errors_exits_1_with_one_line_per_kind(gitrun: Gitrun, world: Path) -> None:
+    fuzzy = _gold(MEDIAN).replace("     mid = n // 2\n", "     mid = len(data) // 2\n")
+    broken = (
+        "diff --git a/nothing.py b/nothing.py\n--- a/nothing.py\n+++ b/nothing.py\n"
+        "@@ -1 +1 @@\n-a\n+b\n"
+    )
+    res = gitrun.run((
+        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"),
+        "--predictions", preds_file(world, "p", {MEDIAN: fuzzy, SLUG: broken}),
+        "--repos", str(world / "repos"), "--run-id", "e", "--report-dir", str(world / "out"),
+    ), timeout=BATCH_SECONDS)  # fmt: skip
+    assert res.code == 1, res.err
+    said = [x for x in res.err.splitlines() if x.startswith("gitrun: ")]
+    assert len(said) == 1, res.err
+    assert said[0].startswith("gitrun: 2 patch not applied error(s): "), said
+    assert MEDIAN in said[0]
+    assert SLUG in said[0]
+    assert "0/2 resolved, 0 empty, 2 errors" in res.out

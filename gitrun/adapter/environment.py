@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import pygit2
 
-from gitrun.adapter import safefs
+from gitrun.adapter import dotgit, safefs
 from gitrun.adapter.worktree import INDEX_BASE_FILE, WorktreeFiles
 from gitrun.core import faults, trailer
 from gitrun.core.codec import digest
@@ -124,11 +124,27 @@ class Environment(WorktreeFiles):
 
     @property
     def wt(self) -> pygit2.Repository:
+        """The worktree's repository, opened by its admin dir: never through the
+        worktree's ``.git`` entry, which an exec's command can replace (:mod:`dotgit`)."""
         if self._wt is None:
-            if not (self.worktree / ".git").exists():
+            admin = dotgit.admin_dir(gitstore.common_dir(self.repo), self.run_id)
+            if not self.worktree.is_dir() or not (admin / "gitdir").is_file():
                 raise EnvironmentDrift("worktree-missing", f"{self.worktree} no longer exists")
-            self._wt = gitstore.open_repo(self.worktree)
+            self._wt = gitstore.open_repo(admin)
         return self._wt
+
+    def check_dotgit(self) -> None:
+        """The worktree's ``.git`` must be exactly the file gitrun made (drift otherwise)."""
+        admin = Path(self.wt.path)
+        wrong = dotgit.problem(self.worktree, admin)
+        if wrong is not None:
+            raise EnvironmentDrift(
+                "dotgit-replaced",
+                f"{self.worktree / '.git'} {wrong}, not the file gitrun made; a git command "
+                f"run there would use another repository. Put gitrun's back (rm -rf "
+                f"{self.worktree / '.git'} && printf %s {dotgit.expected(admin).decode()!r} > "
+                f"{self.worktree / '.git'}) and resume",
+            )
 
     def instance_id(self) -> str:
         """The instance id, valid only for the worktree at the path it was made for."""
@@ -183,6 +199,7 @@ class Environment(WorktreeFiles):
         """Instance, HEAD commit and tree, and (when ``full``) a digest of ``git status``
         (without the paths in ``skip``)."""
         instance = self.instance_id()
+        self.check_dotgit()
         self.check_head_on_branch()  # so the worktree's HEAD is the branch's commit too
         head = self.head()
         dirty: tuple[str, ...] = ()
@@ -231,7 +248,7 @@ class Environment(WorktreeFiles):
         shell: ExecContext | None = None,
         lead: Lead | None = None,
     ) -> Outcome:
-        """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5. An exec
+        """Perform ``action`` at most once for ``key``; see docs/design.md §4 step 5. An exec
         needs ``shell`` (:func:`gitrun.adapter.exec_step.execute`). ``lead``, the intent's
         checkpoint move, rides in the branch move (``lead.moved``: not for a replay)."""
         if action.kind == EXEC:
@@ -431,6 +448,7 @@ class Environment(WorktreeFiles):
 
 def _create_instance(gitdir: Path, worktree: Path, instance_id: str | None = None) -> None:
     """Write the worktree's instance id, durably, where none exists (never replace one)."""
+    dotgit.record(gitdir, worktree)  # the .git file git just made: gitrun's, checked after execs
     record = {"instance_id": instance_id or str(uuid.uuid4()), "worktree": str(worktree.resolve())}
     try:
         atomic_write(gitdir / INSTANCE_FILE, json.dumps(record).encode(), exclusive=True)

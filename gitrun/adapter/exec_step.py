@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import pygit2
 
-from gitrun.adapter import gitview, shell
+from gitrun.adapter import dotgit, gitview, shell
 from gitrun.adapter.environment import Approval, Environment, Outcome
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import Confinement
@@ -45,6 +45,7 @@ from gitrun.core.errors import (
     ReceiptConflict,
     Refused,
 )
+from gitrun.core.exec_policy import OutputLimits
 from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
 from gitrun.store import durable, gitstore, oslock, trees
 from gitrun.store.lease import Fence, fence_guard
@@ -177,8 +178,7 @@ def execute(
     env._check_precondition(head, pre)
     env._check_fence(head, fence, approval)
     ran = _run_on_clean_tree(env, action, key, head, fence, ctx)
-    changes = shell.scan(env.repo, env.worktree, head.tree, write=True)
-    new_tree = _checked_tree(env, ctx.gate, head.tree, changes, fence)
+    changes, new_tree = _checked_output(env, ctx.gate, head.tree, fence)
     output = output_tree(env.repo, ran.stdout, ran.stderr)
     _keep_output(env, key, output, fence)
     code = TIMEOUT if ran.exit_code is None else str(ran.exit_code)
@@ -265,20 +265,22 @@ def may_have_started(env: Environment, key: str) -> bool:
         return False
 
 
-def _checked_tree(
-    env: Environment,
-    gate: Gate,
-    old: pygit2.Tree,
-    changes: dict[str, shell.Entry | None],
-    fence: Fence,
-) -> pygit2.Oid:
-    """The tree the change makes, if every changed path passes the gate; else the worktree
-    is put back to ``old`` and :class:`ExecRefused` names the rule."""
-    oid = trees.tree_with_changes(env.repo, old, as_tree_changes(changes))
-    new = env.repo[oid]
-    if not isinstance(new, pygit2.Tree):
-        raise EnvironmentDrift("exec-tree", f"{oid} is not a tree")
+def _checked_output(
+    env: Environment, gate: Gate, old: pygit2.Tree, fence: Fence
+) -> tuple[dict[str, shell.Entry | None], pygit2.Oid]:
+    """What the command changed and the tree it makes, if the worktree's ``.git`` is still
+    gitrun's, the output is within the policy's limits and representable in git, and every
+    changed path passes the gate; else the worktree (its ``.git`` too) is put back to
+    ``old`` and :class:`ExecRefused` names the rule. Odd modes are cleared first."""
+    policy = gate.policy.exec
+    limits = policy.limits if policy is not None else OutputLimits()
     try:
+        _check_dotgit(env)
+        changes = shell.scan(env.repo, env.worktree, old, write=True, limits=limits, fix_modes=True)
+        oid = _representable_tree(env, old, changes)
+        new = env.repo[oid]
+        if not isinstance(new, pygit2.Tree):
+            raise EnvironmentDrift("exec-tree", f"{oid} is not a tree")
         gate.check_exec_changes(changes, old, new)
     except GateRejected as exc:
         discarded = put_back(env, old, fence)
@@ -289,7 +291,29 @@ def _checked_tree(
             f"{said}; the worktree was put back to the precondition tree "
             f"(discarded: {shown or 'nothing'}); nothing was committed",
         ) from exc
-    return oid
+    return changes, oid
+
+
+def _check_dotgit(env: Environment) -> None:
+    wrong = dotgit.problem(env.worktree, Path(env.wt.path))
+    if wrong is not None:
+        raise GateRejected(
+            "exec-dotgit",
+            f"the worktree's .git {wrong} after the command: it must stay the file gitrun "
+            "made (a repository of the command's own would run its hooks for the user)",
+        )
+
+
+def _representable_tree(
+    env: Environment, old: pygit2.Tree, changes: dict[str, shell.Entry | None]
+) -> pygit2.Oid:
+    """The tree of the change; a name git (libgit2) will not put in a tree is a refusal."""
+    try:
+        return trees.tree_with_changes(env.repo, old, as_tree_changes(changes))
+    except (pygit2.GitError, ValueError) as exc:
+        raise GateRejected(
+            "exec-unrepresentable", f"git cannot hold what the command made: {exc}"
+        ) from exc
 
 
 def as_tree_changes(changes: dict[str, shell.Entry | None]) -> dict[str, trees.Change]:
@@ -307,7 +331,9 @@ def put_back(env: Environment, tree: pygit2.Tree, fence: Fence) -> list[str]:
     """Restore the worktree to ``tree`` as the lease holder, once no earlier command of
     it lives (:func:`command_gone`); the paths discarded."""
     with command_gone(env), env.fenced(fence):
-        discarded = shell.restore(env.repo, env.worktree, tree)
+        fixed = dotgit.put_back(env.worktree, Path(env.wt.path))
+        discarded = [".git"] if fixed else []
+        discarded += shell.restore(env.repo, env.worktree, tree)
     # Durable now: no journal record names these writes (the branch does not move for
     # them), and a cut after the next checkpoint must not bring the discarded back.
     durable.sync_filesystem(gitstore.common_dir(env.repo))

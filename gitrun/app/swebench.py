@@ -16,8 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gitrun.app import swebench_env
+from gitrun.app.inputs import read_input
 from gitrun.app.swebench_progress import Display, Lines, display
-from gitrun.app.swebench_run import BUSY, Context, Job, evaluate
+from gitrun.app.swebench_run import BUSY, ERROR, Context, Job, evaluate, log_dir
 from gitrun.app.workspace import Workspace
 from gitrun.core import swebench
 from gitrun.core.errors import BadInput
@@ -25,7 +27,28 @@ from gitrun.core.swebench import Instance, RepoSpec
 from gitrun.store.atomicfile import atomic_write
 
 SPEC_FILE = "gitrun-swebench.json"
-__all__ = ["SPEC_FILE", "Request", "display", "plan_jobs", "run_batch"]
+__all__ = ["SPEC_FILE", "Request", "display", "plan_jobs", "run_batch", "spread_ids"]
+IDS_OPTION = "--instance-ids"
+
+
+def spread_ids(argv: list[str]) -> list[str]:
+    """``swebench --instance-ids A B`` as the harness spells it: each value after the
+    option (up to the next option) becomes its own ``--instance-ids``, which Typer takes
+    repeated; other command lines are returned unchanged."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words or words[0] != "swebench" or IDS_OPTION not in argv:
+        return argv
+    out: list[str] = []
+    taking = False
+    for arg in argv:
+        if arg == "--":
+            taking = False
+        elif arg.startswith("-"):
+            taking = arg == IDS_OPTION
+        elif taking and out[-1] != IDS_OPTION:
+            out.append(IDS_OPTION)
+        out.append(arg)
+    return out
 
 
 @dataclass(frozen=True)
@@ -43,9 +66,7 @@ class Request:
 
 
 def _read(path: Path, what: str) -> bytes:
-    if not path.is_file():
-        raise BadInput(f"--{what} {path}: no such file")
-    return path.read_bytes()
+    return read_input(path, f"--{what}")  # ``-``: standard input
 
 
 def _specs(req: Request) -> dict[str, RepoSpec]:
@@ -55,7 +76,10 @@ def _specs(req: Request) -> dict[str, RepoSpec]:
 
 def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
     """The instances selected, a job for each predicted one, and the submitted ids."""
+    swebench.safe_component(req.run_id, "--run-id")
     instances = list(swebench.parse_instances(_read(req.dataset, "dataset"), str(req.dataset)))
+    data = None if req.predictions == swebench.GOLD else _read(Path(req.predictions), "predictions")
+    preds = swebench.parse_predictions(data, instances)  # every id must be in the dataset
     if req.instance_ids:
         # each value may hold several ids, space- or comma-separated (the harness's nargs)
         wanted = {w for v in req.instance_ids for w in v.replace(",", " ").split()}
@@ -63,8 +87,6 @@ def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
         if unknown:
             raise BadInput(f"--instance-ids: {unknown[0]} is not in {req.dataset}")
         instances = [i for i in instances if i.instance_id in wanted]
-    data = None if req.predictions == swebench.GOLD else _read(Path(req.predictions), "predictions")
-    preds = swebench.parse_predictions(data, instances)
     specs, jobs = _specs(req), []
     for inst in instances:
         pred = preds.get(inst.instance_id)
@@ -186,6 +208,7 @@ def run_batch(
     ``report_file`` and a one-line summary (``line``) added. Progress goes to ``say`` (or a
     rich bar on a terminal); ``None`` is silent."""
     instances, jobs, submitted = plan_jobs(req)
+    swebench_env.checked_cache_root()  # refused before anything runs, not once per instance
     if req.remote is None:  # the workspace's config.toml may name the batch's remote
         req = replace(req, remote=Workspace(workspace, key_file).config_remote)
     ctx = _context(req, workspace, key_file)
@@ -209,7 +232,8 @@ def run_batch(
                 shown(out)
     finally:
         show.stop()
-    report = swebench.run_report(instances, submitted, results)
+    failures, errors, kinds = _failures(ctx, jobs, results)
+    report = swebench.run_report(instances, submitted, results, failures, errors)
     model = jobs[0].pred.model if jobs else "none"
     path = req.report_dir / f"{model.replace('/', '__')}.{req.run_id}.json"
     atomic_write(path, (json.dumps(report, indent=4) + "\n").encode(), parent_mode=0o755)
@@ -218,4 +242,55 @@ def run_batch(
         f"{report['empty_patch_instances']} empty, {report['error_instances']} errors; "
         f"report {path}"
     )
-    return report | {"report_file": str(path), "line": line}
+    return report | {"report_file": str(path), "line": line, "error_lines": _error_lines(kinds)}
+
+
+def _failures(
+    ctx: Context, jobs: Sequence[Job], results: dict[str, str]
+) -> tuple[dict[str, tuple[str, str]], dict[str, str], dict[str, list[tuple[str, str]]]]:
+    """From each failed instance's log directory: its ``(reason, tier)`` as the harness
+    5.x classifies the logs (gitrun's own kind first: an environment it could not build
+    or a read-only write is an environment failure it knows of), gitrun's reason for each
+    error, and the errors by kind."""
+    failures: dict[str, tuple[str, str]] = {}
+    errors: dict[str, str] = {}
+    kinds: dict[str, list[tuple[str, str]]] = {}
+    for job in jobs:
+        iid = job.inst.instance_id
+        if results.get(iid) not in ("unresolved", ERROR):
+            continue
+        where = log_dir(ctx, job.pred.model, iid)
+        meta = _json_file(where / "gitrun.json")
+        kind, reason = str(meta.get("error_kind") or "other"), str(meta.get("reason") or "?")
+        if results[iid] == ERROR:
+            errors[iid] = reason
+            kinds.setdefault(kind, []).append((iid, reason))
+        found = swebench.classify_text("\n".join(
+            (where / n).read_text(errors="replace")
+            for n in ("test_output.txt", "run_instance.log") if (where / n).is_file()
+        ))  # fmt: skip
+        if results[iid] == ERROR and kind in ("environment", "read_only_write"):
+            found = (kind, swebench.TIER_ENVIRONMENT)
+        if found is not None:
+            failures[iid] = found
+    return failures, errors, kinds
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _error_lines(kinds: dict[str, list[tuple[str, str]]]) -> list[str]:
+    """One line per kind of error: how many, which (the first few), and the first reason."""
+    out = []
+    for kind, items in sorted(kinds.items()):
+        ids = ", ".join(i for i, _ in items[:3]) + (
+            f" (+{len(items) - 3} more)" if len(items) > 3 else ""
+        )
+        first = " ".join(items[0][1].split())[:240]
+        out.append(f"{len(items)} {kind.replace('_', ' ')} error(s): {ids}: {first}")
+    return out

@@ -24,11 +24,30 @@ from pathlib import Path
 from filelock import FileLock
 
 from gitrun.core.codec import digest
-from gitrun.core.errors import BadInput
+from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.swebench import RepoSpec
 from gitrun.store.atomicfile import atomic_write
 
 MARKER = "gitrun-env.json"
+
+
+class EnvironmentFailed(GitrunError):
+    """An instance's test environment could not be built (an interpreter missing, an
+    install step failing): an infrastructure error of that instance, never a verdict."""
+
+    exit_code = Exit.FAILED
+
+
+def checked_cache_root() -> Path:
+    """The cache directory, refused (before anything runs) where the tests cannot see it."""
+    root = cache_root().resolve()
+    if root.is_relative_to("/tmp"):  # noqa: S108 - refused, not used
+        raise BadInput(
+            f"the environment cache {root} lies under /tmp, which the verifier's sandbox "
+            "replaces by an empty tmpfs; set GITRUN_SWEBENCH_ENVS to a directory elsewhere "
+            "(e.g. /var/tmp/gitrun-envs)"
+        )
+    return root
 
 
 def cache_root() -> Path:
@@ -51,12 +70,7 @@ def ensure_env(spec: RepoSpec, env_key: str) -> Path:
     """The ``bin/`` of the environment for ``spec``, built now if it is not yet complete."""
     want = env_spec(spec, env_key)
     name = digest(want).split(":")[-1][:20]
-    root = cache_root().resolve()
-    if root.is_relative_to("/tmp"):  # noqa: S108 - refused, not used
-        raise BadInput(
-            f"the environment cache {root} lies under /tmp, which the verifier's sandbox "
-            "replaces by an empty tmpfs; set GITRUN_SWEBENCH_ENVS to a directory elsewhere"
-        )
+    root = checked_cache_root()
     root.mkdir(parents=True, exist_ok=True)
     home = root / name
     with FileLock(str(root / f"{name}.lock")):
@@ -77,4 +91,4 @@ def _build(home: Path, spec: RepoSpec) -> None:
         done = subprocess.run(argv, capture_output=True, check=False)
         if done.returncode != 0:
             said = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["?"]
-            raise BadInput(f"environment for {' '.join(spec.pip_requirements)}: {said[0]}")
+            raise EnvironmentFailed(f"environment for {' '.join(spec.pip_requirements)}: {said[0]}")

@@ -8,6 +8,13 @@ whole command; ``max_timeout_seconds`` (also the default timeout, 600 when absen
 ``"rerun"`` (restore the precondition tree, run once more under the same key) or
 ``"review"`` (restore it, freeze the run for a human).
 
+Output limits (what the command may leave in the worktree; over any of them the step is
+refused and the worktree put back): ``max_files`` (files, links and directories in the
+whole worktree, default 100,000), ``max_depth`` (directory levels below the worktree root,
+default 100, at most 500), ``max_file_bytes`` (the largest new or changed file, by its size
+as ``stat`` gives it — a sparse file counts whole — default 100 MiB) and
+``max_written_bytes`` (all new and changed files and link targets together, default 1 GiB).
+
 Matching a command string is a convenience, not a security boundary (``bash -c`` can
 spell anything many ways): the sandbox and the gate's check of every changed path are.
 """
@@ -26,8 +33,20 @@ from gitrun.core.errors import GateRejected, TaskError
 RERUN = "rerun"
 REVIEW = "review"
 DEFAULT_MAX_TIMEOUT = 600.0
-_KEYS = {"allow", "deny", "max_timeout_seconds", "env", "retry"}
+MAX_DEPTH_CEILING = 500  # the scan holds one descriptor per level
+_LIMIT_KEYS = ("max_files", "max_depth", "max_file_bytes", "max_written_bytes")
+_KEYS = {"allow", "deny", "max_timeout_seconds", "env", "retry", *_LIMIT_KEYS}
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class OutputLimits:
+    """What an exec's command may leave in the worktree (see the module docstring)."""
+
+    max_files: int = 100_000
+    max_depth: int = 100
+    max_file_bytes: int = 100 * 1024 * 1024
+    max_written_bytes: int = 1024 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -39,6 +58,7 @@ class ExecPolicy:
     max_timeout_seconds: float = DEFAULT_MAX_TIMEOUT
     env: tuple[str, ...] = ()
     retry: str = RERUN
+    limits: OutputLimits = OutputLimits()
 
     def denied_by(self, command: str) -> str | None:
         """The first deny pattern ``command`` matches, else None."""
@@ -119,7 +139,18 @@ def parse(table: Any, path: Path) -> ExecPolicy:
     retry = table.get("retry", RERUN)
     if retry not in (RERUN, REVIEW):
         raise TaskError(f'{path}: {where}.retry must be "rerun" or "review", not {retry!r}')
-    return ExecPolicy(allow, _patterns(table, "deny", path), float(timeout), env, retry)
+    limits = OutputLimits(**{k: _limit(table, k, path) for k in _LIMIT_KEYS if k in table})
+    deny = _patterns(table, "deny", path)
+    return ExecPolicy(allow, deny, float(timeout), env, retry, limits)
+
+
+def _limit(table: dict[str, Any], key: str, path: Path) -> int:
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TaskError(f"{path}: policy.exec.{key} must be a positive integer, not {value!r}")
+    if key == "max_depth" and value > MAX_DEPTH_CEILING:
+        raise TaskError(f"{path}: policy.exec.max_depth may be at most {MAX_DEPTH_CEILING}")
+    return value
 
 
 def _strings(table: dict[str, Any], key: str, path: Path) -> tuple[str, ...]:

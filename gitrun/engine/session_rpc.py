@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from gitrun.core.errors import Frozen, GateRejected, GitrunError, ReceiptConflict
+from gitrun.core.git_names import ref_component_problem
 from gitrun.core.records import EXEC, Action, Receipt, RunState
 from gitrun.engine import jsonrpc
 from gitrun.engine.jsonrpc import INVALID_PARAMS, RpcError
@@ -55,13 +56,19 @@ def receipt_json(receipt: Receipt, *, replayed: bool | None = None) -> dict[str,
 
 
 def check_key(key: object) -> str | None:
-    """A client idempotency key: None, or a string of gitrun's key syntax (else -32602)."""
+    """A client idempotency key: None, or a string of gitrun's key syntax that is also a
+    valid ref name component (``git check-ref-format``: it names the key's receipt ref),
+    else -32602."""
     if key is None:
         return None
-    if not isinstance(key, str) or not _KEY.match(key) or ".." in key or key.endswith(".lock"):
+    if not isinstance(key, str) or not _KEY.match(key):
+        raise RpcError(INVALID_PARAMS, f"idempotency_key must match {KEY_PATTERN}")
+    problem = ref_component_problem(key)
+    if problem is not None:
         raise RpcError(
             INVALID_PARAMS,
-            f"idempotency_key must match {KEY_PATTERN} (no '..', not ending in .lock)",
+            f"idempotency_key {key!r} {problem}, so it is no valid git ref name; choose a key "
+            f"matching {KEY_PATTERN} that does not end in '.' or '.lock' nor holds '..'",
         )
     return key
 

@@ -7,7 +7,7 @@ Two transactions, each under the OS locks of every ref involved:
    one journal record holds both moves' new objects and all three values (lead, led ref,
    follower); the objects published, the lead renamed. Its locks are then let go: the
    intent is durable, no evidence of the write exists, and nothing is locked (window 2 of
-   DESIGN.md §3 looks as it always did; its crash points are passed between the two);
+   docs/design.md §6 looks as it always did; its crash points are passed between the two);
 2. :func:`second`: the led ref's ``.lock`` taken, the guards checked and the ref compared
    again (a writer that moved it in between wins: the record's value for it is pinned
    back to the real one, so no recovery completes it, and the move fails), then renamed
