@@ -6,19 +6,23 @@ becomes the receipt. Real git, the real CLI, bubblewrap when the machine has it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import Gitrun, git
+from conftest import SANDBOXES, Gitrun, git
 from test_exec import RUN, record, task_with, worktree
 
-from gitrun.adapter import sandbox
+from gitrun.adapter import gitview, sandbox
 from gitrun.core.errors import Exit
+from gitrun.store import gitstore
 
 pytestmark = pytest.mark.timeout(120)
 RENAME = "sed -i 's/calc_area/circle_area/g' geometry/shapes.py"
+
 BWRAP = shutil.which("bwrap") is not None and sandbox.bwrap_works("bwrap")
 
 
@@ -213,3 +217,24 @@ def test_the_worktrees_git_file_and_git_dir_are_left_as_gitrun_made_them(
     assert not {"config", "hooks", "objects", "refs"} & set(kept), kept  # no view landed here
     assert json.loads(gitrun("status", RUN, "--json").out)["phase"] in ("done", "failed")
     assert git(wt, "rev-parse", "HEAD") == git(repo_of(gitrun), "rev-parse", f"gitrun/{RUN}")
+
+
+def test_a_lost_index_cache_is_made_again_and_git_still_reads_the_base(tmp_path: Path) -> None:
+    repo_dir = own_repo(SANDBOXES / "rename-api", tmp_path / "repo")
+    git(repo_dir, "worktree", "add", "-q", "--detach", str(tmp_path / "wt"), "main")
+    wt = tmp_path / "wt"
+    gitdir = Path((wt / ".git").read_text().removeprefix("gitdir: ").strip())
+    base = git(repo_dir, "rev-parse", "main").strip()
+    view = gitview.GitView(base, "gitrun/x", repo_dir / ".git" / "objects", gitdir)
+    repo = gitstore.open_repo(repo_dir)
+    (wt / "geometry" / "shapes.py").write_text("changed\n")
+    for attempt in ("first", "cache lost"):
+        if attempt == "cache lost":
+            (gitdir / gitview.INDEX_CACHE).unlink()
+        made = gitview.make(view, repo, tmp_path / attempt, wt, confined=False)
+        env = gitview.child_env({"PATH": os.environ["PATH"], "HOME": str(tmp_path)}, made)
+        seen = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=wt, env=env, capture_output=True, text=True,
+            check=True,
+        ).stdout  # fmt: skip
+        assert seen == " M geometry/shapes.py\n", attempt

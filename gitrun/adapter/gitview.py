@@ -201,8 +201,9 @@ def _copy_index(view: GitView, repo: pygit2.Repository, gitdir: Path, worktree: 
     except OSError:
         fresh = False
     if fresh:
-        shutil.copyfile(cache, target)
-        return
+        with contextlib.suppress(OSError):  # a cache gone missing is made again below
+            shutil.copyfile(cache, target)
+            return
     commit = repo.get(view.base)
     if not isinstance(commit, pygit2.Commit):
         raise pygit2.GitError(f"the run's base {view.base} is not a commit")
