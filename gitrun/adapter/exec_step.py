@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import pygit2
 
-from gitrun.adapter import dotgit, shell
+from gitrun.adapter import dotgit, gitview, shell
 from gitrun.adapter.environment import Approval, Environment, Outcome
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import Confinement
@@ -72,6 +72,7 @@ class ExecContext:
     confinement: Confinement
     hidden: shell.Hidden
     heartbeat: Callable[[], None] | None = None
+    git: gitview.GitView | None = None  # the command's view of git (None: git fails in it)
 
 
 def open_interrupted_review(rt: Runtime, discarded: list[str]) -> None:
@@ -214,6 +215,7 @@ def _run_on_clean_tree(
         ran = shell.run(
             action, env.worktree, confinement=ctx.confinement, hidden=ctx.hidden,
             heartbeat=ctx.heartbeat, hold=held,
+            git=None if ctx.git is None else (ctx.git, env.repo),
         )  # fmt: skip
     faults.point("exec_done")
     return ran

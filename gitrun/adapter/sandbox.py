@@ -170,12 +170,13 @@ class Layout:
     blank: Path | None = None  # an empty file bound over each of ``secret_files``
     private_tmp: bool = True  # an empty /tmp; False: the host's, read-only (an agent's)
     shown: tuple[Path, ...] = ()  # read-only even inside ``writable`` (the verdict plugin)
+    binds: tuple[tuple[Path, Path, bool], ...] = ()  # (source, destination, writable), last
 
     @classmethod
     def of(
         cls, writable: Sequence[Path], secret_dirs: Sequence[Path], secret_files: Sequence[Path],
         chdir: Path, blank: Path | None = None, *, private_tmp: bool = True,
-        shown: Sequence[Path] = (),
+        shown: Sequence[Path] = (), binds: Sequence[tuple[Path, Path, bool]] = (),
     ) -> Layout:  # fmt: skip
         """Hide a secret file's directory when nothing the tests need lives under it.
 
@@ -192,7 +193,9 @@ class Layout:
                 (dirs if hidable else files).append(parent if hidable else f)
         kept = tuple(p.resolve() for p in writable)
         shown_dirs = tuple(p.resolve() for p in shown)
-        return cls(kept, tuple(dirs), tuple(files), chdir, blank, private_tmp, shown_dirs)
+        return cls(
+            kept, tuple(dirs), tuple(files), chdir, blank, private_tmp, shown_dirs, tuple(binds)
+        )
 
     def bwrap_args(self, confinement: Confinement) -> list[str]:
         """Mount order matters: a later tmpfs over a parent would hide earlier binds."""
@@ -217,6 +220,8 @@ class Layout:
             args += ["--bind", str(path), str(path)]
         for path in self.shown:
             args += ["--ro-bind", str(path), str(path)]
+        for source, target, writable in self.binds:  # e.g. an exec step's git view
+            args += ["--bind" if writable else "--ro-bind", str(source), str(target)]
         return [*args, "--chdir", str(self.chdir)]
 
 

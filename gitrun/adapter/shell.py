@@ -4,8 +4,8 @@
 isolation (:mod:`gitrun.adapter.sandbox`: bubblewrap with the worktree bound read-write and the
 workspace, the repository's common git dir and the keyring hidden, ``/tmp`` private; a
 supervisor that kills the command's whole process tree on timeout and when gitrun dies).
-The worktree's ``.git`` file points into the hidden common dir, so ``git`` inside the
-command fails: an exec step edits files, gitrun makes the commit.
+``git`` inside the command works on a private git dir made for the step
+(:mod:`gitrun.adapter.gitview`): an exec step edits files, gitrun makes the commit.
 
 :func:`scan` compares the whole worktree with a tree — every file, link and mode, nothing
 skipped but the top-level ``.git`` (checked apart: :func:`gitrun.adapter.exec_step.check_dotgit`)
@@ -29,7 +29,7 @@ from typing import IO
 
 import pygit2
 
-from gitrun.adapter import safefs, sandbox, scratch
+from gitrun.adapter import gitview, safefs, sandbox, scratch
 from gitrun.adapter.sandbox import Confinement, Layout, SandboxFailed
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, EnvironmentDrift, GateRejected
@@ -88,6 +88,10 @@ def child_env(action: Action, home: Path, *, confined: bool) -> dict[str, str]:
     for name in action.env or ():
         if name in os.environ and not name.startswith("GITRUN_"):
             env[name] = os.environ[name]
+    for pair in action.set_env or ():  # the step's own values (checked by the gate)
+        name, _, value = pair.partition("=")
+        if not name.startswith("GITRUN_"):
+            env[name] = value
     return env
 
 
@@ -100,10 +104,12 @@ def run(
     heartbeat: Callable[[], None] | None = None,
     heartbeat_interval: float = 1.0,
     hold: int | None = None,
+    git: tuple[gitview.GitView, pygit2.Repository] | None = None,
 ) -> Ran:
     """Run ``action``'s command in ``worktree``/``cwd``, killed after its timeout; its
     stdout and stderr captured apart (two files), each bounded. ``hold``: a descriptor
-    its supervisor keeps until the command's tree is dead (see :func:`sandbox.spawn`)."""
+    its supervisor keeps until the command's tree is dead (see :func:`sandbox.spawn`).
+    ``git``: the step's git view (:mod:`gitrun.adapter.gitview`), made in its scratch."""
     worktree = worktree.resolve()
     cwd = worktree / action.cwd if action.cwd else worktree
     timeout = action.timeout_seconds or 60.0
@@ -112,9 +118,14 @@ def run(
         home.mkdir()
         blank = out / "blank"
         blank.touch(0o444)
-        layout = Layout.of([worktree, home], hidden.dirs, hidden.files, cwd, blank)
+        view = None
+        if git is not None:
+            view = gitview.make(*git, out / "git", worktree, confined=confinement.confined)
+        binds = () if view is None else view.binds
+        layout = Layout.of([worktree, home], hidden.dirs, hidden.files, cwd, blank, binds=binds)
         with (out / "stdout").open("w+b") as log, (out / "stderr").open("w+b") as err:
             env = child_env(action, home, confined=confinement.confined)
+            env = gitview.child_env(env, view)
             child = sandbox.spawn(
                 argv_of(action), cwd=cwd, env=env, log=log, err=err,
                 confinement=confinement, layout=layout, hold=hold,

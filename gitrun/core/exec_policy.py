@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gitrun.core.errors import TaskError
+from gitrun.core.errors import GateRejected, TaskError
 
 RERUN = "rerun"
 REVIEW = "review"
@@ -73,6 +73,31 @@ def pattern_match(command: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
         return re.fullmatch(pattern[3:], command, flags=re.DOTALL) is not None
     return fnmatch.fnmatchcase(command, pattern)
+
+
+MAX_SET_ENV = 64  # variables an exec step may set, each at most MAX_SET_ENV_BYTES
+MAX_SET_ENV_BYTES = 4096
+
+
+def check_set_env(pairs: tuple[str, ...] | None) -> None:
+    """An exec step's own variables: ``NAME=value`` strings, sorted and unique by name, no
+    ``GITRUN_*`` name, no NUL, bounded (GateRejected ``exec-env`` otherwise)."""
+    if pairs is None:
+        return
+    if len(pairs) > MAX_SET_ENV:
+        raise GateRejected("exec-env", f"an exec step sets at most {MAX_SET_ENV} variables")
+    names = []
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not _NAME_RE.match(name) or name.startswith("GITRUN_"):
+            raise GateRejected("exec-env", f"{name!r} is not a variable name an exec step may set")
+        if "\x00" in value or len(pair.encode()) > MAX_SET_ENV_BYTES:
+            raise GateRejected(
+                "exec-env", f"the value of {name} holds a NUL or is over {MAX_SET_ENV_BYTES} bytes"
+            )
+        names.append(name)
+    if names != sorted(set(names)):
+        raise GateRejected("exec-env", "the variables set must be sorted and unique by name")
 
 
 def command_text(command: str | None, argv: tuple[str, ...] | None) -> str:

@@ -378,6 +378,7 @@ class Rules:
             raise GateRejected(
                 "exec-env", f"{extra[0]} is not in policy.exec.env {list(shell.env)}"
             )
+        exec_policy.check_set_env(action.set_env)
         cwd = None if action.cwd in (None, "", ".") else self._check_cwd(action.cwd, tree, disk)
         return replace(action, cwd=cwd, timeout_seconds=float(timeout), env=env)
 

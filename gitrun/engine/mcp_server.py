@@ -59,6 +59,7 @@ PARAM_NOTES: dict[str, str] = {
     "command": "A bash -c string, or an argv list.",
     "cwd": "Directory inside the worktree to run in (default: its root).",
     "timeout_seconds": "Seconds before the command is killed (the policy caps it).",
+    "env": "Variables to set for the command, {NAME: value} (never GITRUN_*).",
     "start_line": "First line to read (1-based).",
     "end_line": "Last line to read (inclusive).",
     "glob": "Glob over paths: * within a directory, ** across directories.",

@@ -21,6 +21,7 @@ from gitrun.adapter import sandbox
 from gitrun.adapter.environment import Approval, Environment, Observation
 from gitrun.adapter.exec_step import ExecContext, ExecRefused
 from gitrun.adapter.gate import Gate
+from gitrun.adapter.gitview import GitView
 from gitrun.adapter.sandbox import CommandCannotStart, Confinement
 from gitrun.adapter.shell import Hidden
 from gitrun.core import faults
@@ -290,7 +291,12 @@ class Runtime:
         """How an exec step runs: confined as the verifier is, the lease kept renewed."""
         hide = self._secrets()
         renew = lambda: self.lease.maybe_renew(self.state.generation)  # noqa: E731
-        return ExecContext(self.gate, self._confinement(), Hidden(hide.dirs, hide.files), renew)
+        view = GitView(
+            self.state.env.base_commit, self.env.branch.removeprefix("refs/heads/"),
+            gitstore.common_dir(self.env.repo) / "objects", Path(self.env.wt.path),
+        )  # fmt: skip
+        hidden = Hidden(hide.dirs, hide.files)
+        return ExecContext(self.gate, self._confinement(), hidden, renew, git=view)
 
     def _abandon(self, exc: GateRejected) -> None:
         """Drop a pending action the gate refuses at execute time (the machine's
