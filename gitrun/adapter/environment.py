@@ -43,10 +43,10 @@ from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
 from gitrun.store import durable, gitstore, journal, trees
 from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
-from gitrun.store.ledmove import Lead
 from gitrun.store.receipts import GitReceiptLog
 from gitrun.store.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
 from gitrun.store.receipts import index_ref as index_ref  # noqa: PLC0414 - re-export for callers
+from gitrun.store.refmove import Lead
 from gitrun.store.remote import RemoteReceiptLog, RemoteSite
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class Environment(WorktreeFiles):
             env = cls(repo, run_id, worktree, task_label, site=site)
             gitdir = Path(env.wt.path)
             atomic_write(gitdir / INDEX_BASE_FILE, str(base).encode())  # base is checked out
-            _create_instance(gitdir, worktree)
+            create_instance(gitdir, worktree)
         return env
 
     @property
@@ -429,7 +429,7 @@ class Environment(WorktreeFiles):
         return oid
 
 
-def _create_instance(gitdir: Path, worktree: Path, instance_id: str | None = None) -> None:
+def create_instance(gitdir: Path, worktree: Path, instance_id: str | None = None) -> None:
     """Write the worktree's instance id, durably, where none exists (never replace one)."""
     record = {"instance_id": instance_id or str(uuid.uuid4()), "worktree": str(worktree.resolve())}
     try:
