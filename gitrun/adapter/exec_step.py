@@ -21,7 +21,6 @@ to the precondition tree and raises :class:`ExecRefused`; nothing is committed.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,6 +46,7 @@ from gitrun.core.errors import (
 )
 from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
 from gitrun.store import durable, gitstore, oslock, trees
+from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.receipts import output_ref
 
@@ -243,16 +243,9 @@ def command_gone(env: Environment) -> Iterator[int]:
 def _mark_started(env: Environment, key: str) -> None:
     """Record, durably and before the command starts, that ``key``'s command may have run
     (in the worktree's private git dir): resume under ``retry = "review"`` asks for it."""
-    gitdir = Path(env.wt.path)
-    tmp = gitdir / f"{STARTED_FILE}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, key.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, gitdir / STARTED_FILE)
-    gitstore.fsync_dir(gitdir)
+    # The one atomic file path: the worktree's git dir is within the agent's reach, and a
+    # link planted at a fixed temp name must never be written through.
+    atomic_write(Path(env.wt.path) / STARTED_FILE, key.encode())
 
 
 def may_have_started(env: Environment, key: str) -> bool:

@@ -54,7 +54,7 @@ from pathlib import Path
 
 from gitrun.core.errors import StorageFailed
 from gitrun.store import oslock
-from gitrun.store.atomicfile import fsync_dir
+from gitrun.store.atomicfile import atomic_file
 from gitrun.store.journal_format import (  # the format's names are the journal's too
     HEADER,
     JOURNAL_FILE,
@@ -138,24 +138,15 @@ def _open(cdir: Path) -> int:
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A fresh name, created exclusively: never a file (a hard link) planted in its place.
-    temp = path.with_name(f".journal.tmp-{os.urandom(8).hex()}")
-    fd = os.open(temp, flags | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        size = max(HEADER * 4, int(os.environ.get(SIZE_VAR) or SIZE))
-        os.posix_fallocate(fd, 0, size)  # no room: refused now, not at a later record
-        _zero_fill(fd, size)
-        os.pwrite(fd, header(_random_epoch(), boot_id()), 0)
-        os.fsync(fd)
-        # One journal, even when processes race to create it: a loser uses the winner's.
-        with contextlib.suppress(FileExistsError):
-            os.link(temp, path)
-        os.close(fd)
-        fd = os.open(path, flags)
-        fsync_dir(path.parent)
-    finally:
-        temp.unlink(missing_ok=True)
-    return fd
+    # Made aside and linked in exclusively (the one atomic file path): never a file (a
+    # hard link) planted in its place, and one journal even when processes race to make
+    # it (a loser's link fails; it uses the winner's).
+    size = max(HEADER * 4, int(os.environ.get(SIZE_VAR) or SIZE))
+    with contextlib.suppress(FileExistsError), atomic_file(path, mode=0o600, exclusive=True) as fh:
+        os.posix_fallocate(fh.fileno(), 0, size)  # no room: refused now, not at a record
+        _zero_fill(fh.fileno(), size)
+        os.pwrite(fh.fileno(), header(_random_epoch(), boot_id()), 0)
+    return os.open(path, flags)
 
 
 def _zero_fill(fd: int, size: int) -> None:

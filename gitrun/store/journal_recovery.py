@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import stat
 import zlib
@@ -20,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gitrun.store import durable
+from gitrun.store.atomicfile import replace_in
 from gitrun.store.journal_format import (
     HEADER,
     JOURNAL_FILE,
@@ -102,24 +102,15 @@ def _directory(cdir: Path, rel: str, *, create: bool) -> Iterator[int | None]:
 
 
 def _write_inside(cdir: Path, rel: str, data: bytes) -> bool:
-    """Put ``data`` at ``cdir/rel`` (a fresh temp file renamed over it), never through a
-    link; False when one is in the way or the write fails."""
+    """Put ``data`` at ``cdir/rel`` through the one atomic file path (a fresh temp file
+    renamed over it), never through a link; False when one is in the way or it fails."""
     parent, _, name = rel.rpartition("/")
     with _directory(cdir, parent, create=True) as dfd:
         if dfd is None or not name:
             return False
-        temp = f".{name}.recover-{secrets.token_hex(8)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(temp, flags, 0o644, dir_fd=dfd)
-            try:
-                os.write(fd, data)  # a loose object or a ref: a few kilobytes at most
-            finally:
-                os.close(fd)
-            os.replace(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        try:  # a loose object or a ref: a few kilobytes at most
+            replace_in(dfd, name, data, sync=False)  # the recovery ends with a syncfs
         except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=dfd)
             return False
     return True
 
