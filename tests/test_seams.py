@@ -68,6 +68,19 @@ KNOWN_PYGIT2_ABOVE: frozenset[str] = frozenset(
 )
 
 
+# The store's durability mechanism: above the store it is reached only through
+# gitrun.store.gitstore (what a caller means: sync_all, covering, power_cut_branches),
+# never by calling the journal, its recovery or the barrier directly (issue #29).
+MECHANISMS = frozenset(
+    {"gitrun.store.durable", "gitrun.store.journal", "gitrun.store.journal_recovery"}
+)
+MECHANISM_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("gitrun.app.status_read", "gitrun.store.journal"): (
+        "the pygit2-free status asks whether a recovery is pending, without loading pygit2"
+    ),
+}
+
+
 @dataclass(frozen=True)
 class Import:
     module: str  # the importing module
@@ -186,3 +199,13 @@ def test_pygit2_is_imported_only_in_the_store_and_the_adapter() -> None:
 def test_the_core_imports_no_pygit2_even_for_types() -> None:
     core = {i.module for i in IMPORTS if i.module.startswith("gitrun.core.")}
     assert {i.module for i in IMPORTS if i.module in core and i.target == "pygit2"} == set()
+
+
+def test_above_the_store_durability_is_asked_of_gitstore_not_of_its_mechanism() -> None:
+    users = {
+        (imp.module, imp.target)
+        for imp in IMPORTS
+        if imp.target in MECHANISMS and imp.module.split(".")[1] not in ("store", "core")
+    }
+    assert users - set(MECHANISM_EXCEPTIONS) == set()
+    assert set(MECHANISM_EXCEPTIONS) <= users, "strike these off MECHANISM_EXCEPTIONS"

@@ -40,7 +40,7 @@ from gitrun.core.errors import (
     Refused,
 )
 from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
-from gitrun.store import durable, gitstore, journal, trees
+from gitrun.store import gitstore, trees
 from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
 from gitrun.store.receipts import GitReceiptLog
@@ -114,7 +114,7 @@ class Environment(WorktreeFiles):
             repo.add_worktree(f"gitrun-{run_id}", str(worktree), repo.references[branch])
             # libgit2 syncs none of the worktree's admin files or checked-out files, and
             # ref moves no longer sync the filesystem (the journal): make them durable now.
-            durable.sync_filesystem(gitstore.common_dir(repo))
+            gitstore.sync_all(repo)
             faults.point("setup_worktree_added")
             env = cls(repo, run_id, worktree, task_label, site=site)
             gitdir = Path(env.wt.path)
@@ -281,7 +281,7 @@ class Environment(WorktreeFiles):
     ) -> Outcome:
         """Append the write commit to the receipt log (the branch move: the commit point),
         then bring the files on disk to the new tree (as durable as the move: covered)."""
-        with journal.covering(gitstore.common_dir(self.repo)):
+        with gitstore.covering(self.repo):
             appended = self.append_write(oid, head, fence, approval, lead)
             if appended.replayed:
                 return Outcome(appended.receipt, replayed=True)

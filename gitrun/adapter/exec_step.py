@@ -45,7 +45,7 @@ from gitrun.core.errors import (
     Refused,
 )
 from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
-from gitrun.store import durable, gitstore, oslock, trees
+from gitrun.store import gitstore, oslock, trees
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.receipts import output_ref
@@ -301,7 +301,7 @@ def put_back(env: Environment, tree: pygit2.Tree, fence: Fence) -> list[str]:
         discarded = shell.restore(env.repo, env.worktree, tree)
     # Durable now: no journal record names these writes (the branch does not move for
     # them), and a cut after the next checkpoint must not bring the discarded back.
-    durable.sync_filesystem(gitstore.common_dir(env.repo))
+    gitstore.sync_all(env.repo)
     return discarded
 
 

@@ -34,7 +34,7 @@ from gitrun.core.errors import (
     RunTaken,
 )
 from gitrun.core.task import Task
-from gitrun.store import durable, gitstore
+from gitrun.store import gitstore
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.checkpoint import find_checkpoint_refs
 from gitrun.store.keys import load_keyring
@@ -165,7 +165,7 @@ def _worktree_at_tip(site: RemoteSite, run_id: str, worktree: Path, instance_id:
     worktree.parent.mkdir(parents=True, exist_ok=True)
     (gitstore.common_dir(repo) / "worktrees").mkdir(exist_ok=True)
     repo.add_worktree(name, str(worktree), repo.references[branch])
-    durable.sync_filesystem(gitstore.common_dir(repo))  # libgit2 syncs none of it
+    gitstore.sync_all(repo)  # libgit2 syncs none of it
     gitdir = Path(Environment(repo, run_id, worktree, "", site=site).wt.path)
     atomic_write(gitdir / INDEX_BASE_FILE, str(tip).encode())  # the tip is checked out
     create_instance(gitdir, worktree, instance_id)
