@@ -40,13 +40,13 @@ from gitrun.core.errors import (
     Refused,
 )
 from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
-from gitrun.store import durable, gitstore, journal, trees
+from gitrun.store import gitstore, trees
 from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
-from gitrun.store.ledmove import Lead
 from gitrun.store.receipts import GitReceiptLog
 from gitrun.store.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
 from gitrun.store.receipts import index_ref as index_ref  # noqa: PLC0414 - re-export for callers
+from gitrun.store.refmove import Lead
 from gitrun.store.remote import RemoteReceiptLog, RemoteSite
 
 if TYPE_CHECKING:
@@ -114,12 +114,12 @@ class Environment(WorktreeFiles):
             repo.add_worktree(f"gitrun-{run_id}", str(worktree), repo.references[branch])
             # libgit2 syncs none of the worktree's admin files or checked-out files, and
             # ref moves no longer sync the filesystem (the journal): make them durable now.
-            durable.sync_filesystem(gitstore.common_dir(repo))
+            gitstore.sync_all(repo)
             faults.point("setup_worktree_added")
             env = cls(repo, run_id, worktree, task_label, site=site)
             gitdir = Path(env.wt.path)
             atomic_write(gitdir / INDEX_BASE_FILE, str(base).encode())  # base is checked out
-            _create_instance(gitdir, worktree)
+            create_instance(gitdir, worktree)
         return env
 
     @property
@@ -298,7 +298,7 @@ class Environment(WorktreeFiles):
     ) -> Outcome:
         """Append the write commit to the receipt log (the branch move: the commit point),
         then bring the files on disk to the new tree (as durable as the move: covered)."""
-        with journal.covering(gitstore.common_dir(self.repo)):
+        with gitstore.covering(self.repo):
             appended = self.append_write(oid, head, fence, approval, lead)
             if appended.replayed:
                 return Outcome(appended.receipt, replayed=True)
@@ -446,7 +446,7 @@ class Environment(WorktreeFiles):
         return oid
 
 
-def _create_instance(gitdir: Path, worktree: Path, instance_id: str | None = None) -> None:
+def create_instance(gitdir: Path, worktree: Path, instance_id: str | None = None) -> None:
     """Write the worktree's instance id, durably, where none exists (never replace one)."""
     dotgit.record(gitdir, worktree)  # the .git file git just made: gitrun's, checked after execs
     record = {"instance_id": instance_id or str(uuid.uuid4()), "worktree": str(worktree.resolve())}

@@ -21,7 +21,6 @@ to the precondition tree and raises :class:`ExecRefused`; nothing is committed.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,7 +46,8 @@ from gitrun.core.errors import (
 )
 from gitrun.core.exec_policy import OutputLimits
 from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
-from gitrun.store import durable, gitstore, oslock, trees
+from gitrun.store import gitstore, oslock, trees
+from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.receipts import output_ref
 
@@ -245,16 +245,9 @@ def command_gone(env: Environment) -> Iterator[int]:
 def _mark_started(env: Environment, key: str) -> None:
     """Record, durably and before the command starts, that ``key``'s command may have run
     (in the worktree's private git dir): resume under ``retry = "review"`` asks for it."""
-    gitdir = Path(env.wt.path)
-    tmp = gitdir / f"{STARTED_FILE}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, key.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, gitdir / STARTED_FILE)
-    gitstore.fsync_dir(gitdir)
+    # The one atomic file path: the worktree's git dir is within the agent's reach, and a
+    # link planted at a fixed temp name must never be written through.
+    atomic_write(Path(env.wt.path) / STARTED_FILE, key.encode())
 
 
 def may_have_started(env: Environment, key: str) -> bool:
@@ -337,7 +330,7 @@ def put_back(env: Environment, tree: pygit2.Tree, fence: Fence) -> list[str]:
         discarded += shell.restore(env.repo, env.worktree, tree)
     # Durable now: no journal record names these writes (the branch does not move for
     # them), and a cut after the next checkpoint must not bring the discarded back.
-    durable.sync_filesystem(gitstore.common_dir(env.repo))
+    gitstore.sync_all(env.repo)
     return discarded
 
 

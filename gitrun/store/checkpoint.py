@@ -35,7 +35,7 @@ from gitrun.store.checkpoint_verify import (
 from gitrun.store.checkpoint_verify import message as checkpoint_message
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, fence_guard
-from gitrun.store.ledmove import Lead
+from gitrun.store.refmove import Lead
 from gitrun.store.witness import Mark, Witness, admit
 
 SIGNER = pygit2.Signature("gitrun", "gitrun@localhost", 0, 0)

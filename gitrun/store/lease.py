@@ -74,7 +74,7 @@ def _until(expires_at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(expires_at))
 
 
-def _owner_lock_path(repo: pygit2.Repository, run_id: str, worker: str) -> Path:
+def owner_lock_path(repo: pygit2.Repository, run_id: str, worker: str) -> Path:
     name = hashlib.sha256(worker.encode()).hexdigest()[:32]
     return gitstore.common_dir(repo) / "gitrun" / "owners" / run_id / f"{name}.flock"
 
@@ -86,7 +86,7 @@ def owner_alive(repo: pygit2.Repository, run_id: str, worker: str) -> bool:
     worker dies, so a lock we can take proves that worker is gone. The short wait lets a
     concurrent probe of the same lock finish rather than pass for a live owner.
     """
-    path = _owner_lock_path(repo, run_id, worker)
+    path = owner_lock_path(repo, run_id, worker)
     path.parent.mkdir(parents=True, exist_ok=True)
     import filelock
 
@@ -169,7 +169,7 @@ class LeaseManager:
         """
         if self._owner_lock is not None:
             return True
-        path = _owner_lock_path(self.repo, self.run_id, self.worker)
+        path = owner_lock_path(self.repo, self.run_id, self.worker)
         path.parent.mkdir(parents=True, exist_ok=True)
         import filelock
 

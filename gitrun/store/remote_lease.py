@@ -26,10 +26,10 @@ from gitrun.store.lease import (
     DEFAULT_DURATION,
     Lease,
     LeaseManager,
-    _owner_lock_path,
     lease_ref,
     next_version,
     owner_alive,
+    owner_lock_path,
     read_lease,
 )
 from gitrun.store.remote import RemoteSite
@@ -55,7 +55,7 @@ class RemoteLeaseStore(LeaseManager):
 
     def _owner_dead(self, worker: str) -> bool:
         """True only for a worker that worked through this clone and whose process is gone."""
-        if not _owner_lock_path(self.repo, self.run_id, worker).exists():
+        if not owner_lock_path(self.repo, self.run_id, worker).exists():
             return False
         return not owner_alive(self.repo, self.run_id, worker)
 
