@@ -1,8 +1,9 @@
 """Commands for reading and checking what gitrun recorded, registered by :mod:`gitrun.cli`:
-the top-level ``--version``."""
+the top-level ``--version``, ``keys export-allowed-signers``."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -25,3 +26,26 @@ def top(
     ] = False,
 ) -> None:
     """The options before any command (``gitrun --version``)."""
+
+
+def export_allowed_signers(
+    out: Annotated[
+        Path, typer.Argument(help="The file to write (- for standard output).", show_default=False)
+    ],
+    workspace: Annotated[Path | None, typer.Option("--workspace", envvar="GITRUN_HOME")] = None,
+    key_file: Annotated[Path | None, typer.Option("--key-file", envvar="GITRUN_KEY_FILE")] = None,
+) -> None:
+    """Write git's allowed-signers file for the checkpoint keys (public halves, old keys
+    too), for `git -c gpg.format=ssh -c gpg.ssh.allowedSignersFile=OUT verify-commit`."""
+    from gitrun.app.workspace import Workspace
+    from gitrun.store.keys import load_keyring
+    from gitrun.store.sshsig import allowed_signers
+
+    ws = Workspace(workspace, key_file)
+    text = allowed_signers(load_keyring(ws.key_file, create=False))
+    if str(out) == "-":
+        typer.echo(text, nl=False)
+        return
+    out.write_text(text)
+    count = text.count("namespaces=")
+    typer.echo(f"wrote {count} checkpoint key{'s' if count != 1 else ''} to {out}")
