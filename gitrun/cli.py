@@ -43,6 +43,7 @@ review_app = typer.Typer(no_args_is_help=True, help="Review a run frozen by a re
 
 app.callback()(cli_view.top)
 keys_app.command("export-allowed-signers")(cli_view.export_allowed_signers)
+app.command("report")(cli_view.report)
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(debug_app, name="debug")
 app.add_typer(keys_app, name="keys")

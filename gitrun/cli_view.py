@@ -1,5 +1,5 @@
 """Commands for reading and checking what gitrun recorded, registered by :mod:`gitrun.cli`:
-the top-level ``--version``, ``keys export-allowed-signers``."""
+the top-level ``--version``, ``keys export-allowed-signers``, ``report --html``."""
 
 from __future__ import annotations
 
@@ -49,3 +49,36 @@ def export_allowed_signers(
     out.write_text(text)
     count = text.count("namespaces=")
     typer.echo(f"wrote {count} checkpoint key{'s' if count != 1 else ''} to {out}")
+
+
+def write_page(text: str, out: Path) -> None:
+    """Write a page to ``out`` (``-``: standard output) whole, or not at all."""
+    from gitrun.store.atomicfile import atomic_write
+
+    if str(out) == "-":
+        typer.echo(text, nl=False)
+        return
+    atomic_write(out, text.encode("utf-8"))
+
+
+def report(
+    run_id: Annotated[str, typer.Argument(help="The run to show.", show_default=False)],
+    html: Annotated[
+        Path, typer.Option("--html", help="The HTML file to write (- for standard output).")
+    ],
+    workspace: Annotated[Path | None, typer.Option("--workspace", envvar="GITRUN_HOME")] = None,
+    key_file: Annotated[Path | None, typer.Option("--key-file", envvar="GITRUN_KEY_FILE")] = None,
+) -> None:
+    """Write a run as one self-contained HTML page: verdict, chain check, timeline."""
+    from gitrun.app.opening import cli_options
+    from gitrun.app.report_html import run_page
+    from gitrun.app.run_report import run_report
+    from gitrun.core.errors import Refused
+
+    data = run_report(run_id, cli_options(workspace, key_file))
+    write_page(run_page(data), html)
+    where = "standard output" if str(html) == "-" else str(html)
+    if not data["verified"]:
+        raise Refused(f"{data['chain_error']} (the page at {where} shows what git holds)")
+    if str(html) != "-":
+        typer.echo(f"run {run_id}: {data['phase']}; report written to {html}")

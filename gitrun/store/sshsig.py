@@ -32,6 +32,8 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import pygit2
+
 from gitrun.core.errors import BadInput
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ __all__ = [
     "SshKey",
     "allowed_signers",
     "armor",
+    "commit_signature",
     "parse",
     "public_key",
     "sign",
@@ -226,3 +229,15 @@ def allowed_signers(keyring: Keyring) -> str:
         lines.append(f"# {key_id}{active} {key.fingerprint}")
         lines.append(f'{PRINCIPAL} namespaces="{NAMESPACE}" {key.openssh}')
     return "\n".join(lines) + "\n"
+
+
+def commit_signature(repo: pygit2.Repository, oid: str, keys: list[SshKey]) -> SshKey | None:
+    """The key among ``keys`` whose good SSH signature commit ``oid`` carries, else None
+    (no signature, another key, or bytes changed since it was signed)."""
+    commit = repo.get(oid)
+    if not isinstance(commit, pygit2.Commit):
+        return None
+    signature, payload = commit.gpg_signature
+    if not signature or payload is None:
+        return None
+    return verify(signature.decode("ascii", "replace"), payload, keys)
