@@ -407,12 +407,16 @@ def swebench_cmd(
     key_file: KeyFileOpt = None,
     remote: RemoteOpt = None,
     lease_seconds: LeaseOpt = 30.0,
+    html: Annotated[Path | None, typer.Option("--html", help="Also write the batch page.")] = None,
 ) -> None:
     """Evaluate SWE-bench predictions, one gitrun run per instance."""
     req = swebench.Request(dataset, predictions, repos, run_id, workers, ids, report_dir,
                            remote=remote, lease_seconds=lease_seconds)  # fmt: skip
     report = swebench.run_batch(req, workspace, key_file, None if as_json else _say)
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
+    if html is not None:  # the batch page, from the files the batch just wrote
+        line = cli_view.batch_html(report_dir, run_id, html, _options(workspace, key_file))
+        typer.echo(line, err=as_json)
 
 
 def main(argv: list[str] | None = None) -> None:
