@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from browser import Node, needs_chromium, parse, rendered_dom, screenshot
-from conftest import ROOT, relocate_workspace, scrub_env
+from conftest import ROOT, SANDBOXES, Gitrun, relocate_workspace, scrub_env
+from helpers import Keys
 from report_world import (
     EXEC_COMMAND,
     LONG_LINES,
@@ -22,6 +23,8 @@ from report_world import (
     TITLE_SCRIPT,
     hostile_task,
 )
+
+from gitrun.store.evidence import load_trust_roots
 
 RUN = "h1"
 ALLOWED_TAGS = {
@@ -190,3 +193,32 @@ def test_in_a_real_browser_the_page_shows_the_run_and_no_planted_markup_ran(
     shots = Path(request.config.getoption("--screenshots") or tmp_path)
     png = screenshot(world.page, shots / "run-report.png", tmp_path / "profile", 3400)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_approved_run_shows_the_freeze_the_approval_and_its_signer(
+    gitrun: Gitrun, keys: Keys, tmp_path: Path
+) -> None:
+    roots = str(keys.roots)
+    task = str(SANDBOXES / "retire-legacy")
+    assert gitrun("run", task, "--run-id", "ap", "-q", "--trust-roots", roots).code == 3
+    assert gitrun("approve", "ap", "--key", str(keys["alice"]), "--trust-roots", roots).code == 0
+    assert gitrun("resume", "ap", "-q", "--trust-roots", roots).code == 0
+    page = tmp_path / "ap.html"
+    res = gitrun("report", "ap", "--html", str(page))
+    assert res.code == 0, res.err
+    doc = parse(page.read_text())
+    risky = [n for n in _items(doc, "intent") if "needs approval" in n.all_text()]
+    assert len(risky) == 1
+    assert "delete_file units/legacy.py" in risky[0].all_text()
+    assert any("awaiting_approval" in n.all_text() for n in _items(doc, "checkpoint"))
+    approval = _items(doc, "approval")
+    assert len(approval) == 1
+    alice = next(r.id for r in load_trust_roots(keys.roots).values() if r.name == "alice")
+    assert f"signer{alice}" in approval[0].all_text()
+    assert "expires_at20" in approval[0].all_text()  # a date, not epoch seconds
+    receipt = next(r for r in _items(doc, "receipt") if "units/legacy.py" in r.all_text())
+    assert "sha256:" in receipt.find(tag="dd")[3].all_text()  # its approval fingerprint
+    resume = _items(doc, "resume")
+    assert resume
+    assert "interrupted" not in resume[0].attrs["class"].split()
+    assert "awaiting_approval" in resume[0].all_text()

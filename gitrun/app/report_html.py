@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import html
 import json
+import time
 from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["batch_page", "esc", "run_page"]
 
-COLLAPSE_LINES = 40
+COLLAPSE_LINES = 80
 COLLAPSE_CHARS = 6000
 CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; "
@@ -36,7 +37,7 @@ dl.facts dt{color:#656d76}
 dl.facts dd{margin:0;font-family:ui-monospace,monospace;word-break:break-all}
 ol.timeline{list-style:none;margin:0;padding:8px 28px 40px}
 .ev{background:#fff;border:1px solid #d0d7de;border-left:5px solid #8c959f;border-radius:6px;
-margin:8px 0;padding:8px 12px}
+margin:8px 0;padding:8px 12px}.ev-checkpoint{padding:4px 12px;font-size:13px}.ev p{margin:4px 0}
 .ev .head{font-weight:600}.ev .when{float:right;color:#656d76;font-size:12px;font-weight:400}
 .ev-checkpoint{border-left-color:#8250df;background:#fbf8ff}.ev-receipt{border-left-color:#0969da}
 .ev-gate_rejected{border-left-color:#cf222e;background:#fff5f5}.ev-intent{border-left-color:#bf8700}
@@ -73,11 +74,12 @@ def page(title: str, header: str, body: str) -> str:
     )
 
 
-def block(title: str, text: str, cls: str = "") -> str:
-    """``text`` in a ``<pre>``; collapsed under ``title`` when it is large (all of it kept)."""
+def block(title: str, text: str, cls: str = "", closed: bool = False) -> str:
+    """``text`` in a ``<pre>``; collapsed under ``title`` when it is large (all of it kept)
+    or ``closed``."""
     lines = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
     body = f'<pre class="{cls}">{esc(text)}</pre>'
-    large = lines > COLLAPSE_LINES or len(text) > COLLAPSE_CHARS
+    large = closed or lines > COLLAPSE_LINES or len(text) > COLLAPSE_CHARS
     return (
         f"<details{'' if large else ' open'}><summary>{esc(title)} ({lines} lines)</summary>"
         f"{body}</details>"
@@ -178,7 +180,7 @@ def _receipt(e: dict[str, Any]) -> str:
     )
     rows = [("commit", e["commit"]), ("paths", ", ".join(e["paths"]) or "-"),
             ("lease", e["lease"]), ("approval", e["approval"])]  # fmt: skip
-    body = facts(rows) + block("commit message", e["message"])
+    body = facts(rows) + block("commit message", e["message"], closed=True)
     if "exit_code" in e:
         command = e.get("command") or "(command not recorded in the chain)"
         body += f'<pre class="command">$ {esc(command)}</pre>'
@@ -208,9 +210,12 @@ def _checkpoint(e: dict[str, Any]) -> str:
     stop = f" ({e['stop_reason']})" if e["stop_reason"] else ""
     ssh = f"good, key {e['ssh']}" if e["ssh"] else "missing or not good"
     head = f"Checkpoint g={esc(e['generation'])} recorded: {esc(e['phase'] + stop)}"
-    rows = [("commit", e["commit"]), ("worker", e["worker"]), ("lease", e["lease"]),
-            ("HMAC key", e["key_id"]), ("SSH signature", ssh)]  # fmt: skip
-    return _li("checkpoint", head, e["at"], facts(rows))
+    line = (
+        f'<p class="muted">commit <code>{esc(e["commit"][:12])}</code> · worker '
+        f"{esc(e['worker'])} · lease v{esc(e['lease'])} · HMAC key {esc(e['key_id'])} · "
+        f'SSH signature <span class="ssh">{esc(ssh)}</span></p>'
+    )
+    return _li("checkpoint", head, e["at"], line)
 
 
 def _verifier(e: dict[str, Any]) -> str:
@@ -249,9 +254,15 @@ def _event(e: dict[str, Any]) -> str:
         "agent_started": "Agent started",
     }
     head = esc(titles.get(kind, kind))
-    rows = [(k, v if isinstance(v, str | int | float) else json.dumps(v, sort_keys=True))
-            for k, v in sorted(d.items())]  # fmt: skip
+    rows = [(k, _value(k, v)) for k, v in sorted(d.items())]
     return _li(kind, head, at, facts(rows))
+
+
+def _value(name: str, value: Any) -> str:
+    """An event's field as text: times as UTC dates, structures as JSON."""
+    if name.endswith("_at") and isinstance(value, int | float) and not isinstance(value, bool):
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 def run_page(r: dict[str, Any]) -> str:
