@@ -43,7 +43,6 @@ review_app = typer.Typer(no_args_is_help=True, help="Review a run frozen by a re
 
 app.callback()(cli_view.top)
 keys_app.command("export-allowed-signers")(cli_view.export_allowed_signers)
-app.command("report")(cli_view.report)
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(debug_app, name="debug")
 app.add_typer(keys_app, name="keys")
@@ -391,12 +390,8 @@ def review_decide(
 
 @app.command("swebench")
 def swebench_cmd(
-    dataset: Annotated[
-        Path, typer.Option("--dataset", help="Instances: JSON or JSONL (-: stdin).")
-    ],
-    predictions: Annotated[
-        str, typer.Option("--predictions", help="JSON/JSONL (-: stdin), or gold.")
-    ],
+    dataset: Annotated[Path, typer.Option("--dataset", help="Instances: JSON/JSONL, - stdin.")],
+    predictions: Annotated[str, typer.Option("--predictions", help="JSON/JSONL, - stdin, gold.")],
     repos: Annotated[Path, typer.Option("--repos", help="DIR/owner__name or DIR/owner/name.")],
     run_id: Annotated[str, typer.Option("--run-id", help="The batch's run id (resumable).")],
     workers: Annotated[int, typer.Option("--max-workers", min=1)] = 1,
@@ -417,6 +412,9 @@ def swebench_cmd(
     if html is not None:  # the batch page, from the files the batch just wrote
         line = cli_view.batch_html(report_dir, run_id, html, _options(workspace, key_file))
         typer.echo(line, err=as_json)
+
+
+app.command("report")(cli_view.report)  # after swebench: the order --help lists them
 
 
 def main(argv: list[str] | None = None) -> None:
