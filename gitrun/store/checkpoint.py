@@ -146,7 +146,7 @@ class CheckpointStore:
         )
         # also an SSH signature, so stock git verifies it without the keyring
         oid: pygit2.Oid = self.repo.create_commit_with_signature(
-            content, sshsig.sign(self.keyring, content.encode())
+            content, sshsig.sign_commit(self.keyring, content)
         )
         return oid
 

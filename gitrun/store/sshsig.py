@@ -49,6 +49,7 @@ __all__ = [
     "parse",
     "public_key",
     "sign",
+    "sign_commit",
     "verify",
 ]
 
@@ -153,6 +154,12 @@ def sign(keyring: Keyring, message: bytes) -> str:
         + _string(_string(KEY_TYPE) + _string(raw))
     )
     return armor(blob)
+
+
+def sign_commit(keyring: Keyring, content: str) -> str:
+    """The ``gpgsig`` header value for the commit text ``content`` (as git writes it: the
+    armored signature without its last newline, so no blank continuation line follows)."""
+    return sign(keyring, content.encode()).rstrip("\n")
 
 
 @dataclass(frozen=True)
