@@ -46,16 +46,16 @@ def export_allowed_signers(
 
     ws = Workspace(workspace, key_file)
     text = allowed_signers(load_keyring(ws.key_file, create=False))
+    write_page(text, out)
     if str(out) == "-":
-        typer.echo(text, nl=False)
         return
-    out.write_text(text)
     count = text.count("namespaces=")
     typer.echo(f"wrote {count} checkpoint key{'s' if count != 1 else ''} to {out}")
 
 
 def write_page(text: str, out: Path) -> None:
-    """Write a page to ``out`` (``-``: standard output) whole, or not at all."""
+    """Write ``text`` (a page, a file of keys) to ``out`` (``-``: standard output) whole,
+    or not at all; one line (exit 2) when it cannot be written."""
     from gitrun.core.errors import BadInput
     from gitrun.store.atomicfile import atomic_write
 
