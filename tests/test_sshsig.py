@@ -204,3 +204,30 @@ def test_the_checkpoint_carrying_an_approval_verifies_with_stock_git(
         proc = verify_commit(repo, signers, oid)
         assert proc.returncode == 0, proc.stderr
         assert GOOD.search(proc.stderr)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "not a signature",
+        "-----BEGIN SSH SIGNATURE-----\n!!!\n-----END SSH SIGNATURE-----\n",
+        "-----BEGIN SSH SIGNATURE-----\nU1NIU0lH\n-----END SSH SIGNATURE-----\n",
+        "-----BEGIN SSH SIGNATURE-----\nU1NIU0lHAAAAAgAAAAA=\n-----END SSH SIGNATURE-----\n",
+        "-----BEGIN SSH SIGNATURE-----\nU1NIU0lHAAAAAQAAAP8=\n-----END SSH SIGNATURE-----\n",
+    ],
+    ids=["empty", "text", "not-base64", "short", "version-2", "truncated-field"],
+)
+def test_a_malformed_signature_is_no_good_signature_and_never_an_error(
+    tmp_path: Path, text: str
+) -> None:
+    keyring = load_keyring(tmp_path / "keyring")
+    key = sshsig.public_key(keyring, keyring.active)
+    assert sshsig.verify(text, b"message", [key]) is None
+    good = sshsig.sign(keyring, b"message")
+    assert sshsig.verify(good, b"message", [key]) == key
+    lines = good.splitlines()
+    for row, col in ((1, 40), (2, 30), (3, 5)):  # the key, the namespace, the signature
+        bent = list(lines)
+        bent[row] = bent[row][:col] + ("A" if bent[row][col] != "A" else "B") + bent[row][col + 1 :]
+        assert sshsig.verify("\n".join(bent), b"message", [key]) is None, (row, col)
