@@ -42,6 +42,7 @@ review_app = typer.Typer(no_args_is_help=True, help="Review a run frozen by a re
 
 
 app.callback()(cli_view.top)
+keys_app.command("export-allowed-signers")(cli_view.export_allowed_signers)
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(debug_app, name="debug")
 app.add_typer(keys_app, name="keys")
@@ -389,12 +390,8 @@ def review_decide(
 
 @app.command("swebench")
 def swebench_cmd(
-    dataset: Annotated[
-        Path, typer.Option("--dataset", help="Instances: JSON or JSONL (-: stdin).")
-    ],
-    predictions: Annotated[
-        str, typer.Option("--predictions", help="JSON/JSONL (-: stdin), or gold.")
-    ],
+    dataset: Annotated[Path, typer.Option("--dataset", help="Instances: JSON/JSONL, - stdin.")],
+    predictions: Annotated[str, typer.Option("--predictions", help="JSON/JSONL, - stdin, gold.")],
     repos: Annotated[Path, typer.Option("--repos", help="DIR/owner__name or DIR/owner/name.")],
     run_id: Annotated[str, typer.Option("--run-id", help="The batch's run id (resumable).")],
     workers: Annotated[int, typer.Option("--max-workers", min=1)] = 1,
@@ -408,16 +405,23 @@ def swebench_cmd(
     key_file: KeyFileOpt = None,
     remote: RemoteOpt = None,
     lease_seconds: LeaseOpt = 30.0,
+    html: Annotated[Path | None, typer.Option("--html", help="Also write the batch page.")] = None,
 ) -> None:
     """Evaluate SWE-bench predictions, one gitrun run per instance."""
     req = swebench.Request(dataset, predictions, repos, run_id, workers, ids, report_dir,
                            remote=remote, lease_seconds=lease_seconds)  # fmt: skip
     report = swebench.run_batch(req, workspace, key_file, None if as_json else _say)
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
+    if html is not None:  # the batch page, from the files the batch just wrote
+        line = cli_view.batch_html(report_dir, run_id, html, _options(workspace, key_file))
+        typer.echo(line, err=as_json)
     for line in report["error_lines"]:  # one line per kind; any error: exit 1
         typer.echo(f"gitrun: {line}", err=True)
     if report["error_lines"]:
         raise typer.Exit(int(Exit.FAILED))
+
+
+app.command("report")(cli_view.report)  # after swebench: the order --help lists them
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,6 +42,7 @@ COMMANDS = (
     ),
     ("approve", "Show the action waiting for approval and sign an approval bound to exactly it."),
     ("swebench", "Evaluate SWE-bench predictions, one gitrun run per instance."),
+    ("report", "Write a run (or a SWE-bench batch) as one self-contained HTML page."),
     ("checkpoint", "Verify checkpoints."),
     ("debug", "Debugging aids."),
     ("keys", "Approver/reviewer keys and the checkpoint keyring."),

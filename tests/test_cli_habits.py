@@ -173,8 +173,13 @@ def test_standard_input_named_twice_is_refused_by_name(gitrun: Gitrun, world: Pa
     assert "--predictions -: standard input is already read for --dataset" in err
 
 
+# Typer's own switch that makes --install-completion/--show-completion take the shell's
+# name instead of detecting it from the process tree (which differs under CI).
+NAMED_SHELL = {"_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}
+
+
 def test_show_completion_prints_a_bash_script_that_completes_commands(gitrun: Gitrun) -> None:
-    shown = gitrun("--show-completion", "bash")
+    shown = gitrun.run(["--show-completion", "bash"], NAMED_SHELL)
     assert shown.code == 0, shown.err
     assert "_GITRUN_COMPLETE=complete_bash" in shown.out
     complete = {"_GITRUN_COMPLETE": "complete_bash", "COMP_WORDS": "gitrun sta", "COMP_CWORD": "1"}
@@ -190,9 +195,15 @@ def test_install_completion_adds_the_script_to_the_users_bash_setup(
 ) -> None:
     home = Path(os.environ["HOME"])
     home.mkdir(parents=True, exist_ok=True)
-    res = gitrun.run(["--install-completion", "bash"], {"SHELL": "/bin/bash"})
+    res = gitrun.run(["--install-completion", "bash"], NAMED_SHELL)
     assert res.code == 0, res.err
     bashrc = (home / ".bashrc").read_text()
     script = home / ".bash_completions" / "gitrun.sh"
     assert str(script) in bashrc or ".bash_completions/gitrun.sh" in bashrc
     assert "_GITRUN_COMPLETE" in script.read_text()
+
+
+def test_show_completion_for_zsh_is_zshs_script(gitrun: Gitrun) -> None:
+    shown = gitrun.run(["--show-completion", "zsh"], NAMED_SHELL)
+    assert shown.code == 0, shown.err
+    assert "#compdef gitrun" in shown.out
