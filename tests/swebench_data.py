@@ -19,12 +19,12 @@ BUNDLE = ROOT / "tests" / "data" / "swebench"
 OWNER = "gitrun-sandboxes"
 TEST_CMD = "pytest -rA tests"
 # The bundled repositories' spec entry, in the harness's vocabulary (the swebench package
-# knows nothing of them): the interpreter, the repository installed into its venv, pytest
-# from PyPI, the test command, and the test files the test patch touches appended to it.
+# knows nothing of them): the interpreter, pytest from PyPI, the test command, and the test
+# files the test patch touches appended to it. Their pytest config puts the tree on the
+# path, so nothing else is installed (tests/test_swebench.py installs them in one test).
 SPEC = {
     "python": "3.11",
     "pip_packages": ["pytest"],
-    "install": "python -m pip install -e .",
     "test_cmd": TEST_CMD,
     "test_directives": True,
 }

@@ -507,6 +507,30 @@ def test_a_test_command_that_writes_into_the_environment_is_an_infra_error_not_u
     assert "pre_install/install" in meta["reason"]
 
 
+def test_the_repository_is_installed_before_the_tests_and_the_tested_tree_shadows_it(
+    gitrun: Gitrun, world: Path, envs: Path
+) -> None:
+    """`install` runs once, before the tests, in a copy at the base commit (which has the
+    bug): the distribution is installed, yet the gold patch resolves, so the tests import
+    the tested tree, not the installed copy."""
+    probe = "python -c 'import importlib.metadata as m; m.version(\"stats\")' && pytest -rA tests"
+    _respec(world, install="python -m pip install -e .", test_cmd=probe)
+    report = batch(gitrun, world, "gold", "--instance-ids", MEDIAN)
+    assert report["resolved_ids"] == [MEDIAN]
+
+    def installed() -> list[Any]:
+        built = [json.loads(m.read_text()) for m in envs.glob("*/gitrun-env.json")]
+        return [b for b in built if b["install"]]
+
+    assert len(installed()) == 1
+    assert installed()[0]["tree"]  # keyed by the base tree it installed
+    wrong = json.loads((BUNDLE / "preds-wrong.jsonl").read_text().splitlines()[0])
+    report = batch(gitrun, world, preds_file(world, "w", {MEDIAN: wrong["model_patch"]}),
+                   "--instance-ids", MEDIAN, run_id="r2")  # fmt: skip
+    assert report["unresolved_ids"] == [MEDIAN]
+    assert len(installed()) == 1  # the same base: the environment is not built again
+
+
 def test_the_spec_python_is_the_interpreter_the_tests_run_on(gitrun: Gitrun, world: Path) -> None:
     probe = "python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' && pytest -rA tests"
     _respec(world, test_cmd=probe)
