@@ -105,7 +105,10 @@ def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
                 "in the installed swebench package's spec map, and no eval_script"
             )
         jobs.append(Job(inst, pred, spec))
-    return instances, jobs, [j.inst.instance_id for j in jobs]
+    # submitted, as the harness counts it: every prediction of the file (those outside
+    # --instance-ids too); gold: the instances selected
+    submitted = sorted(preds) if data is not None else [j.inst.instance_id for j in jobs]
+    return instances, jobs, submitted
 
 
 def harness_spec(repo: str, version: str) -> RepoSpec | None:
@@ -270,7 +273,7 @@ def run_batch(
     path = req.report_dir / f"{model.replace('/', '__')}.{req.run_id}.json"
     atomic_write(path, (json.dumps(report, indent=4) + "\n").encode(), parent_mode=0o755)
     line = (
-        f"swebench {req.run_id}: {report['resolved_instances']}/{len(submitted)} resolved, "
+        f"swebench {req.run_id}: {report['resolved_instances']}/{len(jobs)} resolved, "
         f"{report['empty_patch_instances']} empty, {report['error_instances']} errors; "
         f"report {path}"
     )
