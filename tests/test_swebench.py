@@ -565,3 +565,17 @@ def test_a_swebench_5_row_runs_its_eval_scripts_test_command_in_the_specs_enviro
     assert json.loads(res.out)["resolved_ids"] == IDS
     out = world / "out" / "logs" / "run_evaluation" / "v5" / "gold" / MEDIAN / "test_output.txt"
     assert "+ pytest -rA tests/test_mean.py tests/test_median.py -rA\n" in out.read_text()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+def test_tests_that_need_the_network_are_an_infra_error_as_the_harness_classifies_them(
+    gitrun: Gitrun, world: Path
+) -> None:
+    fetch = "python -c 'import socket; socket.getaddrinfo(\"pypi.org\", 443)'"
+    _respec(world, test_cmd=f"{fetch} && pytest -rA tests")
+    report = batch(gitrun, world, "gold", "--instance-ids", MEDIAN, code=1)
+    assert report["error_ids"] == [MEDIAN]
+    assert report["failure_reasons"] == {MEDIAN: "environment"}
+    meta = _gitrun_json(world, MEDIAN)
+    assert meta["error_kind"] == "environment"
+    assert "network_unreachable" in meta["reason"]
