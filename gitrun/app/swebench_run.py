@@ -278,12 +278,13 @@ def report_files(job: Job, out: dict[str, Any]) -> dict[str, bytes]:
     instance has ``report.json`` and ``test_output.txt`` (its shape: the harness's grader
     reads it to gitrun's verdict); an error (the patch did not apply, the environment
     failed) has neither, so the harness counts it an error too, and says why in
-    ``run_instance.log``. ``gitrun.json`` is gitrun's own record, always."""
+    ``run_instance.log`` (written, like for a refused prediction, only where the tests'
+    log does not say it: each file is two fsyncs). ``gitrun.json`` is gitrun's own
+    record, always."""
     meta = {k: v for k, v in out.items() if k not in ("outcomes", "output_log")}
-    files = {
-        "run_instance.log": _instance_log(job, out),
-        "gitrun.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
-    }
+    files = {"gitrun.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()}
+    if out["result"] == ERROR or not out.get("output_log"):  # a graded run's log says it all
+        files["run_instance.log"] = _instance_log(job, out)
     if out["result"] == ERROR:
         return files
     report = swebench.instance_report(job.inst, job.pred.patch, out["applied"], out["outcomes"])
