@@ -64,8 +64,8 @@ def _predictions(world: Path, kind: str) -> tuple[str, dict[str, dict[str, Any]]
             r["instance_id"]: {"instance_id": r["instance_id"], "model_name_or_path": "gold",
                                "model_patch": r["patch"]} for r in records
         }  # fmt: skip
-    if kind in ("empty", "wrong"):
-        path = BUNDLE / f"preds-{kind}.jsonl"
+    if kind in ("empty", "wrong", "wrong-one"):
+        path = BUNDLE / f"preds-{kind.removesuffix('-one')}.jsonl"
     else:  # one instance's patch does not apply, the other is the gold one
         fuzzy = records[0]["patch"].replace("     mid = n // 2\n", "     mid = len(data) // 2\n")
         if fuzzy == records[0]["patch"]:
@@ -91,15 +91,19 @@ def _spec(rec: dict[str, Any]) -> harness_types.TestSpec:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["gold", "empty", "wrong", "not-applying"])
+@pytest.mark.parametrize("kind", ["gold", "empty", "wrong", "not-applying", "wrong-one"])
 def test_the_harness_grading_gitruns_logs_reaches_gitruns_verdict_instance_by_instance(
     gitrun: Gitrun, world: Path, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     arg, preds = _predictions(world, kind)
     out = world / "out"
+    # wrong-one: --instance-ids picks one of the two instances the predictions file names
+    chosen = ["--instance-ids", MEDIAN] if kind == "wrong-one" else []
+    records = [r for r in _records() if not chosen or r["instance_id"] in chosen]
     res = gitrun.run((
         "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", arg,
         "--repos", str(world / "repos"), "--run-id", "j", "--report-dir", str(out), "--json",
+        *chosen,
     ), timeout=BATCH_SECONDS)  # fmt: skip
     ours = json.loads(res.out)
     assert res.code == (1 if ours["error_ids"] else 0), res.err
@@ -109,6 +113,7 @@ def test_the_harness_grading_gitruns_logs_reaches_gitruns_verdict_instance_by_in
         "empty": {"empty_patch_ids": [MEDIAN, SLUG]},
         "wrong": {"unresolved_ids": [MEDIAN, SLUG]},
         "not-applying": {"error_ids": [MEDIAN], "resolved_ids": [SLUG]},
+        "wrong-one": {"unresolved_ids": [MEDIAN], "submitted_ids": [MEDIAN, SLUG]},
     }[kind]
     for field, ids in expected.items():
         assert ours[field] == ids, (field, ours)
@@ -118,7 +123,7 @@ def test_the_harness_grading_gitruns_logs_reaches_gitruns_verdict_instance_by_in
     judge = world / "judge"
     shutil.copytree(out, judge)
     monkeypatch.chdir(judge)  # the harness's log directory is relative: logs/run_evaluation
-    for rec in _records():
+    for rec in records:
         iid = rec["instance_id"]
         where = judge / "logs" / "run_evaluation" / "j" / model / iid
         if not (where / "test_output.txt").is_file():
@@ -129,7 +134,7 @@ def test_the_harness_grading_gitruns_logs_reaches_gitruns_verdict_instance_by_in
         gitruns = json.loads((out / where.relative_to(judge) / "report.json").read_text())
         assert got[1] == gitruns, iid  # the same report.json, test lists and all
     theirs = json.loads(
-        make_run_report(preds, _records(), "j", None, str(judge / "harness")).read_text()
+        make_run_report(preds, records, "j", None, str(judge / "harness")).read_text()
     )
     assert {k: theirs[k] for k in HARNESS_FIELDS} == {k: ours[k] for k in HARNESS_FIELDS}
 

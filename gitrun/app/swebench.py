@@ -92,14 +92,49 @@ def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
         pred = preds.get(inst.instance_id)
         if pred is None:
             continue
-        spec = inst.spec or specs.get(inst.env_key) or specs.get(inst.repo)
+        spec = inst.spec or _with_eval_script(
+            inst,
+            specs.get(inst.env_key)
+            or specs.get(inst.repo)
+            or harness_spec(inst.repo, inst.version),
+        )
         if spec is None:
             raise BadInput(
-                f"instance {inst.instance_id}: no test_cmd in the record and no entry for "
-                f"{inst.repo} in {req.specs or req.repos / SPEC_FILE}"
+                f"instance {inst.instance_id}: no test_cmd in the record, no entry for "
+                f"{inst.env_key} or {inst.repo} in {req.specs or req.repos / SPEC_FILE}, none "
+                "in the installed swebench package's spec map, and no eval_script"
             )
         jobs.append(Job(inst, pred, spec))
-    return instances, jobs, [j.inst.instance_id for j in jobs]
+    # submitted, as the harness counts it: every prediction of the file (those outside
+    # --instance-ids too); gold: the instances selected
+    submitted = sorted(preds) if data is not None else [j.inst.instance_id for j in jobs]
+    return instances, jobs, submitted
+
+
+def harness_spec(repo: str, version: str) -> RepoSpec | None:
+    """The installed ``swebench`` package's spec for ``repo`` at ``version`` (4.x's
+    ``MAP_REPO_VERSION_TO_SPECS``; 5.x has no such map), the test directives on, as
+    the harness runs them; None without the package or the entry."""
+    try:
+        from swebench.harness import constants  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    table = getattr(constants, "MAP_REPO_VERSION_TO_SPECS", None)
+    entry = table.get(repo, {}).get(version) if isinstance(table, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    spec = swebench.spec_from(entry, f"swebench's spec for {repo}@{version}", strict=False)
+    return None if spec is None else replace(spec, directives=True)
+
+
+def _with_eval_script(inst: Instance, spec: RepoSpec | None) -> RepoSpec | None:
+    """A 5.x row's test command (its ``eval_script``'s lines between the harness's markers,
+    directives included) in place of the spec's; the spec still builds the environment
+    (without one: gitrun's interpreter with nothing installed)."""
+    cmd = swebench.eval_script_test_cmd(inst.eval_script) if inst.eval_script else None
+    if cmd is None:
+        return spec
+    return RepoSpec(cmd) if spec is None else replace(spec, test_cmd=cmd, directives=False)
 
 
 def _context(req: Request, workspace: Path | None, key_file: Path | None) -> Context:
@@ -238,7 +273,7 @@ def run_batch(
     path = req.report_dir / f"{model.replace('/', '__')}.{req.run_id}.json"
     atomic_write(path, (json.dumps(report, indent=4) + "\n").encode(), parent_mode=0o755)
     line = (
-        f"swebench {req.run_id}: {report['resolved_instances']}/{len(submitted)} resolved, "
+        f"swebench {req.run_id}: {report['resolved_instances']}/{len(jobs)} resolved, "
         f"{report['empty_patch_instances']} empty, {report['error_instances']} errors; "
         f"report {path}"
     )

@@ -73,32 +73,54 @@ def gitrun_run_id(ctx: Context, job: Job) -> tuple[str, dict[str, str]]:
     parts = {
         "instance": job.inst.record_digest,
         "prediction": digest(job.pred.patch or ""),
-        "test_spec": digest({"test_cmd": job.spec.test_cmd, "test_patch": job.inst.test_patch}),
-        "environment": digest(swebench_env.env_spec(job.spec, job.inst.env_key)),
+        "test_spec": digest({"test_cmd": test_command(job), "test_patch": job.inst.test_patch}),
+        # the base tree is in the record's digest (its base_commit); the interpreter's
+        # exact build is the environment's own digest
+        "environment": digest({"env": job.inst.env_key, "spec": job.spec.to_json()}),
     }
     key = digest({"batch": ctx.run_id, "iid": job.inst.instance_id, "parts": parts})
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", job.inst.instance_id).strip(".-")[:40] or "i"
     return f"{slug}-{key.split(':')[-1][:16]}", parts
 
 
-def _verifier_command(spec: RepoSpec, env_bin: str) -> tuple[list[str], bool]:
-    """``bash -c TEST_CMD`` from the repo root with the environment's bin/ first on PATH
-    (and the run refused if that environment is not visible: never another interpreter);
-    gitrun's JUnit options reach pytest as ``"$@"``."""
-    junit = "pytest" in spec.test_cmd
-    env = shlex.quote(env_bin)
-    # -rA: pytest lists every test's outcome, the lines the harness's parser reads
-    script = (
+def test_command(job: Job) -> str:
+    """The test command as the harness builds it: the spec's, then (when the spec asks
+    for them) the test files ``test_patch`` touches; ``-rA`` added for pytest so the log
+    lists every test's outcome, the lines the harness's parser reads."""
+    cmd = job.spec.test_cmd
+    if job.spec.directives:
+        cmd = " ".join([cmd, *(shlex.quote(d) for d in swebench.test_directives(job.inst))])
+    return cmd + (" -rA" if _runs_pytest(job.spec) else "")
+
+
+def _runs_pytest(spec: RepoSpec) -> bool:
+    return "pytest" in spec.test_cmd
+
+
+def _verifier_command(job: Job, env_home: str) -> tuple[list[str], bool]:
+    """``bash -c SCRIPT`` from the tested tree's root: the environment's bin/ first on
+    ``PATH`` (the run refused if that environment is not visible: never another
+    interpreter), the tested tree ahead of an installed copy of the repository on
+    ``PYTHONPATH``, the spec's ``eval_commands``, then the test command (gitrun's JUnit
+    options reach pytest as ``"$@"``); last, the command's exit status on its own line."""
+    spec = job.spec
+    junit = _runs_pytest(spec)
+    env = shlex.quote(str(Path(env_home, "bin")))
+    lines = [
         f"[ -x {env}/python ] || {{ echo 'gitrun: test environment {env} not visible' >&2; "
-        f'exit 97; }}\nexport PATH={env}:"$PATH"\n{spec.test_cmd}'
-        + (' -rA "$@"' if junit else "")
-        + f'\ncode=$?\necho\necho "{EXIT_LINE}$code"\nexit $code'
-    )
-    return ["bash", "-c", script, "gitrun-swebench"], junit
+        "exit 97; }",
+        f'export PATH={env}:"$PATH"',
+    ]
+    if spec.install:  # the installed copy is the base commit's: the tested tree comes first
+        lines.append('export PYTHONPATH="$PWD:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"')
+    lines += list(spec.eval_commands)
+    lines += [test_command(job) + (' "$@"' if junit else ""), "code=$?", "echo",
+              f'echo "{EXIT_LINE}$code"', "exit $code"]  # fmt: skip
+    return ["bash", "-c", "\n".join(lines), "gitrun-swebench"], junit
 
 
-def _task_toml(job: Job, base: str, repo: Path, env_bin: str) -> str:
-    command, junit = _verifier_command(job.spec, env_bin)
+def _task_toml(job: Job, base: str, repo: Path, env_home: str) -> str:
+    command, junit = _verifier_command(job, env_home)
     junit = junit and bool(job.inst.fail_to_pass or job.inst.pass_to_pass)
     doc = {
         "task": f'id = "swe-{digest(job.inst.instance_id).split(":")[-1][:12]}"\nversion = "1"\n'
@@ -202,9 +224,10 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
             repo, base, applied.tree, test_patch, test_paths + tuple(p for p, _ in runner)
         )
     rid, parts = gitrun_run_id(ctx, job)
-    env_bin = str(swebench_env.ensure_env(job.spec, job.inst.env_key))
+    base_tree = str(repo[base].peel(pygit2.Tree).id)
+    env_home = str(swebench_env.ensure_env(job.spec, inst, repo_dir, base_tree))
     files = {
-        "task.toml": _task_toml(job, base, repo_dir.resolve(), env_bin).encode(),
+        "task.toml": _task_toml(job, base, repo_dir.resolve(), env_home).encode(),
         "plan.toml": _plan_toml(applied.stage, bool(test_diff), bool(runner)).encode(),
         "prediction.diff": applied.diff,
     } | ({"test.diff": test_diff} if test_diff else {})
@@ -221,30 +244,38 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
     out = {"result": RESOLVED if resolved else UNRESOLVED, "applied": True, "stage": applied.stage,
            "outcomes": state.verifier.outcomes, "gitrun_run_id": rid, "digests": parts,
            "summary": state.verifier.summary, "isolation": state.verifier.isolation,
-           "output_log": str(kept), "test_command": _shown_command(job)}  # fmt: skip
+           "output_log": str(kept), "test_command": test_command(job)}  # fmt: skip
     return out | _reset_note(runner) | _infra_verdict(state.verifier.summary, kept, resolved)
 
 
-def _shown_command(job: Job) -> str:
-    """The test command as the log shows it (``+ CMD``), with the options gitrun adds."""
-    return job.spec.test_cmd + (" -rA" if "pytest" in job.spec.test_cmd else "")
-
-
 def _infra_verdict(summary: str, kept: Path, resolved: bool) -> dict[str, Any]:
-    """An error where the tests could not be judged: a timeout, or (not resolved) a write
-    the read-only environment refused; else nothing changes."""
+    """An error where the tests could not be judged: a timeout; or, not resolved, a write
+    the read-only environment refused, or what the harness 5.x calls an environment
+    failure (no network, no memory, ...); else nothing changes."""
     if summary.startswith("timed out"):
         return {"result": ERROR, "error_kind": TIMEOUT, "reason": summary}
-    printed = kept.read_bytes().decode("utf-8", "replace") if kept.is_file() else ""
-    found = None if resolved else _READ_ONLY.search(printed)
-    if found is None:
+    if resolved:
         return {}
-    line = printed[: found.end()].rsplit("\n", 1)[-1] + printed[found.end() :].split("\n", 1)[0]
-    why = (
-        f"the test command wrote where the environment is read-only ({line.strip()[:200]}); "
-        "build steps belong in the spec's pre_install/install, which run before the tests"
-    )
-    return {"result": ERROR, "error_kind": READ_ONLY, "reason": why}  # fmt: skip
+    printed = kept.read_bytes().decode("utf-8", "replace") if kept.is_file() else ""
+    found = _READ_ONLY.search(printed)
+    if found is not None:
+        why = (f"the test command wrote where the environment is read-only "
+               f"({_line_at(printed, found.start())}); build steps belong in the spec's "
+               "pre_install/install, which run before the tests")  # fmt: skip
+        return {"result": ERROR, "error_kind": READ_ONLY, "reason": why}
+    known = swebench.classify_text(printed)
+    if known is None or known[1] != swebench.TIER_ENVIRONMENT:
+        return {}
+    match = next(p for r, _, p in swebench.INFRA_SIGNATURES if r == known[0]).search(printed)
+    where = f" ({_line_at(printed, match.start())})" if match else ""
+    why = f"the tests could not run in this environment: {known[0]}{where}"
+    return {"result": ERROR, "error_kind": ENVIRONMENT, "reason": why}
+
+
+def _line_at(text: str, at: int) -> str:
+    start = text.rfind("\n", 0, at) + 1
+    end = text.find("\n", at)
+    return text[start : end if end >= 0 else len(text)].strip()[:200]
 
 
 def _reset_note(runner: tuple[tuple[str, str], ...]) -> dict[str, Any]:
@@ -266,12 +297,13 @@ def report_files(job: Job, out: dict[str, Any]) -> dict[str, bytes]:
     instance has ``report.json`` and ``test_output.txt`` (its shape: the harness's grader
     reads it to gitrun's verdict); an error (the patch did not apply, the environment
     failed) has neither, so the harness counts it an error too, and says why in
-    ``run_instance.log``. ``gitrun.json`` is gitrun's own record, always."""
+    ``run_instance.log`` (written, like for a refused prediction, only where the tests'
+    log does not say it: each file is two fsyncs). ``gitrun.json`` is gitrun's own
+    record, always."""
     meta = {k: v for k, v in out.items() if k not in ("outcomes", "output_log")}
-    files = {
-        "run_instance.log": _instance_log(job, out),
-        "gitrun.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
-    }
+    files = {"gitrun.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()}
+    if out["result"] == ERROR or not out.get("output_log"):  # a graded run's log says it all
+        files["run_instance.log"] = _instance_log(job, out)
     if out["result"] == ERROR:
         return files
     report = swebench.instance_report(job.inst, job.pred.patch, out["applied"], out["outcomes"])

@@ -19,11 +19,13 @@ from gitrun.core.errors import BadInput
 
 __all__ = [
     "END_TEST_OUTPUT",
+    "INFRA_SIGNATURES",
     "START_TEST_OUTPUT",
     "Instance",
     "Prediction",
     "RepoSpec",
     "classify_text",
+    "eval_script_test_cmd",
     "harness_log",
     "instance_report",
     "parse_instances",
@@ -31,6 +33,8 @@ __all__ = [
     "parse_specs",
     "run_report",
     "safe_component",
+    "spec_from",
+    "test_directives",
 ]
 
 # The harness's log markers (swebench.harness.constants, 4.x and 5.x alike): its grader
@@ -44,7 +48,7 @@ APPLY_PATCH_PASS = ">>>>> Applied Patch"  # noqa: S105 - a log marker, not a pas
 # 5.x's advisory classifier of failed instances (harness/infra_failure.py, swebench 5.0.2):
 # (reason, tier, pattern), first match wins; the run report lists them by tier.
 TIER_ENVIRONMENT, TIER_AMBIGUOUS = "environment", "ambiguous"
-_INFRA_SIGNATURES = tuple(
+INFRA_SIGNATURES = tuple(
     (reason, tier, re.compile(pattern, re.MULTILINE))
     for reason, tier, pattern in (
         ("browser_launch_failed", TIER_ENVIRONMENT,
@@ -69,13 +73,32 @@ GOLD_MODEL = "gold"
 
 @dataclass(frozen=True)
 class RepoSpec:
-    """How to test a repository (or one version of it): the command and its requirements."""
+    """How to build a repository's test environment and run its tests, in the harness's
+    vocabulary (swebench 4.x ``MAP_REPO_VERSION_TO_SPECS`` entries): the interpreter
+    (``python``, a version such as ``"3.9"``; None: the one gitrun runs on), shell
+    commands run in a copy of the repository at the instance's base commit before and as
+    its install (``pre_install``, ``install``), packages from PyPI (``pip_packages``;
+    ``packages``: ``requirements.txt`` read from the repository at the instance's
+    environment commit, or a list of package names), shell commands run before the tests
+    (``eval_commands``), and the test command, to which the test files ``test_patch``
+    touches are appended (``directives``) as the harness does."""
 
     test_cmd: str
-    pip_requirements: tuple[str, ...] = ()
+    pip_packages: tuple[str, ...] = ()
+    python: str | None = None
+    pre_install: tuple[str, ...] = ()
+    install: str | None = None
+    packages: str | None = None
+    eval_commands: tuple[str, ...] = ()
+    directives: bool = False
 
     def to_json(self) -> dict[str, object]:
-        return {"test_cmd": self.test_cmd, "pip_requirements": list(self.pip_requirements)}
+        return {
+            "test_cmd": self.test_cmd, "pip_packages": list(self.pip_packages),
+            "python": self.python, "pre_install": list(self.pre_install), "install": self.install,
+            "packages": self.packages, "eval_commands": list(self.eval_commands),
+            "test_directives": self.directives,
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -93,6 +116,8 @@ class Instance:
     spec: RepoSpec | None  # from the record; else the spec file's entry for the repo
     allow_test_infra: bool
     record_digest: str  # over the whole record as given
+    environment_setup_commit: str = ""  # where requirements.txt is read (else base_commit)
+    eval_script: str = ""  # swebench 5.x rows: the harness's eval script (its test command)
 
     @property
     def env_key(self) -> str:
@@ -152,22 +177,63 @@ def _test_list(rec: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _record_spec(rec: Mapping[str, Any], where: str) -> RepoSpec | None:
+# The spec keys gitrun reads (the harness's, and gitrun's own), and the harness's keys it
+# knows it does not use (Docker resources, conda switches, other languages' build steps).
+_SPEC_KEYS = frozenset({
+    "test_cmd", "test_command", "pip_packages", "pip_requirements", "python", "pre_install",
+    "install", "packages", "eval_commands", "test_directives",
+})  # fmt: skip
+_HARNESS_ONLY_KEYS = frozenset({
+    "nano_cpus", "execute_test_as_nonroot", "no_use_env", "env_patches", "docker_specs",
+    "rebuild_cmd", "build", "image", "apt-pkgs", "env_vars", "test_timeout",
+})  # fmt: skip
+
+
+def spec_from(rec: Mapping[str, Any], where: str, *, strict: bool = True) -> RepoSpec | None:
+    """The spec ``rec`` holds (None without a test command): a record's own fields, an
+    entry of gitrun's spec file, or of the harness's spec map (``strict=False``: keys
+    gitrun does not know are left alone there; in gitrun's own files they are refused)."""
     cmd = rec.get("test_cmd", rec.get("test_command"))
     if cmd is None:
         return None
+    if strict:
+        unknown = sorted(set(rec) - _SPEC_KEYS - _HARNESS_ONLY_KEYS)
+        if unknown:
+            raise BadInput(f"{where}: unknown spec key {unknown[0]!r} (known: "
+                           f"{', '.join(sorted(_SPEC_KEYS))})")  # fmt: skip
     if isinstance(cmd, list) and all(isinstance(c, str) for c in cmd):
-        cmd = " ".join(cmd)
+        cmd = " && ".join(cmd) if len(cmd) > 1 else " ".join(cmd)
     if not isinstance(cmd, str) or not cmd.strip():
         raise BadInput(f"{where}: test_cmd must be a non-empty string")
-    return RepoSpec(cmd, _requirements(rec.get("pip_requirements", []), where))
+    python = rec.get("python")
+    if python is not None and not (isinstance(python, str) and re.fullmatch(r"\d+\.\d+", python)):
+        raise BadInput(f'{where}: python must be a version such as "3.9", not {python!r}')
+    install, packages = rec.get("install"), rec.get("packages")
+    for key, value in (("install", install), ("packages", packages)):
+        if value is not None and not isinstance(value, str):
+            raise BadInput(f"{where}: {key} must be a string")
+    directives = rec.get("test_directives", False)
+    if not isinstance(directives, bool):
+        raise BadInput(f"{where}: test_directives must be true or false")
+    pip = rec.get("pip_packages", rec.get("pip_requirements", []))
+    return RepoSpec(
+        cmd, _strings(pip, "pip_packages", where), python,
+        _strings(rec.get("pre_install", []), "pre_install", where, split=False),
+        install or None, packages or None,
+        _strings(rec.get("eval_commands", []), "eval_commands", where, split=False),
+        directives,
+    )  # fmt: skip
 
 
-def _requirements(value: object, where: str) -> tuple[str, ...]:
+def _record_spec(rec: Mapping[str, Any], where: str) -> RepoSpec | None:
+    return spec_from({k: v for k, v in rec.items() if k in _SPEC_KEYS}, where)
+
+
+def _strings(value: object, key: str, where: str, *, split: bool = True) -> tuple[str, ...]:
     if isinstance(value, str):
-        value = value.split()
+        value = value.split() if split else [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise BadInput(f"{where}: pip_requirements must be a list of requirement strings")
+        raise BadInput(f"{where}: {key} must be a list of strings")
     return tuple(value)
 
 
@@ -195,6 +261,7 @@ def parse_instances(data: bytes, what: str = "dataset") -> tuple[Instance, ...]:
                 _test_list(rec, "FAIL_TO_PASS", where), _test_list(rec, "PASS_TO_PASS", where),
                 str(rec.get("version", "")), _record_spec(rec, where),
                 rec.get("allow_test_infra") is True, digest(rec),
+                str(rec.get("environment_setup_commit") or ""), str(rec.get("eval_script") or ""),
             )
         )  # fmt: skip
     return tuple(out)
@@ -246,8 +313,8 @@ def parse_predictions(
 
 
 def parse_specs(data: bytes, what: str = "spec file") -> dict[str, RepoSpec]:
-    """The per-repo spec file: JSON keyed by ``owner/name`` or ``owner/name@version``,
-    each ``{"test_cmd": ..., "pip_requirements": [...]}``."""
+    """gitrun's spec file: JSON keyed by ``owner/name`` or ``owner/name@version``, each
+    entry in the harness's vocabulary (:class:`RepoSpec`), strictly read."""
     try:
         doc = json.loads(data)
     except json.JSONDecodeError as exc:
@@ -258,11 +325,37 @@ def parse_specs(data: bytes, what: str = "spec file") -> dict[str, RepoSpec]:
     for key, rec in doc.items():
         if not isinstance(rec, dict):
             raise BadInput(f"{what}: {key} must be an object")
-        spec = _record_spec(rec, f"{what}: {key}")
+        spec = spec_from(rec, f"{what}: {key}")
         if spec is None:
             raise BadInput(f"{what}: {key} needs test_cmd")
         out[key] = spec
     return out
+
+
+# The harness 4.x's get_test_directives: the files test_patch touches, but data files.
+_NON_TEST_EXTS = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml",
+                  ".yaml", ".toml")  # fmt: skip
+
+
+def test_directives(inst: Instance) -> tuple[str, ...]:
+    """What the harness appends to the test command (4.x ``get_test_directives``): the
+    files the test patch touches, data files left out; Django's as dotted test modules."""
+    found = re.findall(r"diff --git a/.* b/(.*)", inst.test_patch)
+    paths = [d for d in found if not d.endswith(_NON_TEST_EXTS)]
+    if inst.repo == "django/django":
+        paths = [d.removesuffix(".py").removeprefix("tests/").replace("/", ".") for d in paths]
+    return tuple(paths)
+
+
+def eval_script_test_cmd(script: str) -> str | None:
+    """The test command of a swebench 5.x ``eval_script``: its lines between the
+    harness's start and end markers (directives included); None when it has no markers."""
+    lines = script.splitlines()
+    starts = [n for n, x in enumerate(lines) if START_TEST_OUTPUT in x]
+    ends = [n for n, x in enumerate(lines) if END_TEST_OUTPUT in x]
+    if not starts or not ends or ends[0] <= starts[0] + 1:
+        return None
+    return "\n".join(lines[starts[0] + 1 : ends[0]]).strip() or None
 
 
 def instance_report(
@@ -318,7 +411,7 @@ def harness_log(printed: bytes, exit_code: int | None, command: str) -> bytes:
 
 def classify_text(text: str) -> tuple[str, str] | None:
     """The harness 5.x's ``(reason, tier)`` for a failed instance's logs, or None."""
-    for reason, tier, pattern in _INFRA_SIGNATURES:
+    for reason, tier, pattern in INFRA_SIGNATURES:
         if text and pattern.search(text):
             return reason, tier
     return None
