@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Gitrun, git
+from helpers import Keys
 from test_input import make_task
 
 from gitrun.core.errors import Exit
@@ -86,3 +87,21 @@ def test_a_sigkill_at_the_same_point_twice_is_still_retried(gitrun: Gitrun, task
     done = gitrun("resume", RUN)
     assert done.code == Exit.DONE, done.err
     assert len(branch_commits(gitrun)) == 1
+
+
+@pytest.mark.parametrize(
+    ("decision", "phase", "code"), [("abort", "failed", Exit.FAILED), ("replan", "done", Exit.DONE)]
+)
+def test_a_reviewer_decides_the_crash_case_and_one_resume_ends_the_run(
+    gitrun: Gitrun, task: Path, keys: Keys, decision: str, phase: str, code: int
+) -> None:
+    fail = {"GITRUN_FAIL_AT": "after_write_commit_object"}
+    assert gitrun("run", str(task), "--run-id", RUN, "-q", **fail).code == Exit.INTERNAL
+    assert gitrun("resume", RUN, **fail).code == Exit.INTERNAL
+    assert gitrun("resume", RUN, **fail).code == Exit.FROZEN
+    decided = gitrun("review", "decide", RUN, decision, "--key", str(keys["bob"]))
+    assert decided.code == 0, decided.err
+    # The crash's cause is gone (a fixed gitrun): replan proposes the step again.
+    ended = gitrun("resume", RUN, "--trust-roots", str(keys.roots))
+    assert ended.code == code, ended.err
+    assert status(gitrun)["phase"] == phase
