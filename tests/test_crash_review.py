@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Gitrun, git
+from conftest import SANDBOXES, Gitrun, git
 from helpers import Keys
+from session_client import Rpc
 from test_input import make_task
 
 from gitrun.core.errors import Exit
@@ -105,3 +106,27 @@ def test_a_reviewer_decides_the_crash_case_and_one_resume_ends_the_run(
     ended = gitrun("resume", RUN, "--trust-roots", str(keys.roots))
     assert ended.code == code, ended.err
     assert status(gitrun)["phase"] == phase
+
+
+def test_a_session_step_crashing_twice_leaves_the_session_answering_needs_review(
+    gitrun: Gitrun,
+) -> None:
+    point = "after_write_commit_object"
+    task = str(SANDBOXES / "fix-median")
+    rpc = Rpc(gitrun, task, "--run-id", "s1", "--lease-seconds", "600", GITRUN_FAIL_AT=point)
+    rpc.call("initialize", protocol="gitrun/1")
+    err = rpc.fail("write_file", path="stats/x.py", content="x\n")
+    assert err["data"]["exit_code"] == Exit.INTERNAL
+    assert rpc.close() == Exit.INTERNAL
+    again = Rpc(
+        gitrun, "s1", command="resume", GITRUN_FAIL_AT=point
+    )  # the intent runs first: crash 2
+    assert again.close() == Exit.INTERNAL
+    third = Rpc(gitrun, "s1", command="resume", GITRUN_FAIL_AT=point)
+    seen = third.call("observe")
+    assert seen["phase"] == "needs_review"
+    assert seen["stop_reason"] == "step_crashed"
+    refused = third.fail("write_file", path="stats/y.py", content="y\n")
+    assert refused["data"]["rule"] == "needs-review"
+    assert third.close() == Exit.FROZEN
+    assert "crashed gitrun 2 times" in third.stderr()
