@@ -8,6 +8,7 @@ effects leaves a checkpoint from which :mod:`gitrun.engine.recovery` continues e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -212,7 +213,8 @@ class Runtime:
         except BaseException as exc:
             riding.land_after_failure(self)  # a refusal leaves the intent pending, durable
             if p is not None and is_crash(exc):
-                self.crash_log().record(p.key, exc)
+                with contextlib.suppress(GitrunError, OSError):  # never mask the crash
+                    self.crash_log().record(p.key, exc)
             raise
 
     def crash_log(self) -> CrashLog:
