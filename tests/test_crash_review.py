@@ -130,3 +130,20 @@ def test_a_session_step_crashing_twice_leaves_the_session_answering_needs_review
     assert refused["data"]["rule"] == "needs-review"
     assert third.close() == Exit.FROZEN
     assert "crashed gitrun 2 times" in third.stderr()
+
+
+def test_a_verifier_step_crashing_twice_fails_the_run_with_the_error(
+    gitrun: Gitrun, task: Path
+) -> None:
+    """No pending step to review: the run ends failed, the crash as the verdict's reason."""
+    fail = {"GITRUN_FAIL_AT": "before_verify"}
+    assert gitrun("run", str(task), "--run-id", RUN, "-q", **fail).code == Exit.INTERNAL
+    assert gitrun("resume", RUN, **fail).code == Exit.INTERNAL
+    ended = gitrun("resume", RUN, **fail)
+    assert ended.code == Exit.FAILED, ended.err
+    info = status(gitrun)
+    assert info["phase"] == "failed"
+    assert info["stop_reason"] == "verifier_cannot_start"
+    shown = gitrun("log", RUN)
+    assert "crashed gitrun 2 times" in shown.out + shown.err
+    assert len(branch_commits(gitrun)) == 1  # the write stands; only the verdict failed
