@@ -77,6 +77,7 @@ class Environment(WorktreeFiles):
         self.branch = branch_ref(run_id)
         self.task_label = task_label
         self._wt: pygit2.Repository | None = None
+        self._dotgit: bytes | None = None  # the bytes of gitrun's .git file, once read
         self.write_count = 0  # commits this process actually made (not replays)
 
     # -- creation and identity ---------------------------------------------------------
@@ -136,7 +137,9 @@ class Environment(WorktreeFiles):
     def check_dotgit(self) -> None:
         """The worktree's ``.git`` must be exactly the file gitrun made (drift otherwise)."""
         admin = Path(self.wt.path)
-        wrong = dotgit.problem(self.worktree, admin)
+        if self._dotgit is None:
+            self._dotgit = dotgit.expected(admin)
+        wrong = dotgit.problem(self.worktree, admin, self._dotgit)
         if wrong is not None:
             raise EnvironmentDrift(
                 "dotgit-replaced",
