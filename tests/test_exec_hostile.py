@@ -344,3 +344,20 @@ def test_over_the_session_a_planted_git_and_a_huge_file_are_refused_and_the_sess
     git(worktree_path, "status")
     assert not flag.exists()
     assert git(worktree_path, "status", "--porcelain", "--untracked-files=all", "--ignored") == ""
+
+
+def test_a_worktree_made_before_its_git_file_was_recorded_is_judged_by_the_admin_dir_it_names(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path]
+) -> None:
+    """Runs started by an older gitrun have no recorded .git bytes: their .git must name
+    the worktree's own admin dir (as libgit2 wrote it); a plant is refused all the same."""
+    task = task_with(sandbox_copy, [{"command": "true"}, {"command": RENAME}],
+                     exec_table='allow = ["*"]')  # fmt: skip
+    res = gitrun("run", str(task), "--run-id", RUN, GITRUN_CRASH_AT="exec_done:2")
+    assert res.code == -9, res.err
+    gitdir = Path(git(worktree(gitrun), "rev-parse", "--absolute-git-dir").strip())
+    (gitdir / "gitrun-dotgit").unlink()
+    resumed = gitrun("resume", RUN)
+    assert resumed.code == Exit.DONE, resumed.err
+    assert len(commits(gitrun)) == 2
+    assert_clean_at(gitrun, branch(gitrun))
