@@ -169,11 +169,13 @@ class Layout:
     chdir: Path
     blank: Path | None = None  # an empty file bound over each of ``secret_files``
     private_tmp: bool = True  # an empty /tmp; False: the host's, read-only (an agent's)
+    frozen: tuple[Path, ...] = ()  # files inside ``writable`` bound read-only over themselves
 
     @classmethod
     def of(
         cls, writable: Sequence[Path], secret_dirs: Sequence[Path], secret_files: Sequence[Path],
         chdir: Path, blank: Path | None = None, *, private_tmp: bool = True,
+        frozen: Sequence[Path] = (),
     ) -> Layout:  # fmt: skip
         """Hide a secret file's directory when nothing the tests need lives under it.
 
@@ -189,7 +191,7 @@ class Layout:
                 hidable = parent != Path("/") and not any(_under(n, parent) for n in needed)
                 (dirs if hidable else files).append(parent if hidable else f)
         kept = tuple(p.resolve() for p in writable)
-        return cls(kept, tuple(dirs), tuple(files), chdir, blank, private_tmp)
+        return cls(kept, tuple(dirs), tuple(files), chdir, blank, private_tmp, tuple(frozen))
 
     def bwrap_args(self, confinement: Confinement) -> list[str]:
         """Mount order matters: a later tmpfs over a parent would hide earlier binds."""
@@ -212,6 +214,9 @@ class Layout:
                 args += ["--ro-bind", str(path), str(path)]
         for path in self.writable:
             args += ["--bind", str(path), str(path)]
+        for path in self.frozen:  # a mount point: neither written, renamed over nor removed
+            if path.is_file() and not path.is_symlink():
+                args += ["--ro-bind", str(path), str(path)]
         return [*args, "--chdir", str(self.chdir)]
 
 

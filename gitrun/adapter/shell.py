@@ -112,7 +112,11 @@ def run(
         home.mkdir()
         blank = out / "blank"
         blank.touch(0o444)
-        layout = Layout.of([worktree, home], hidden.dirs, hidden.files, cwd, blank)
+        # The worktree's .git file read-only: a command cannot swap in a repository of its
+        # own even while it runs (the user's shell prompt may run git status meanwhile);
+        # unconfined, the check after the command (exec_step) is the only wall.
+        dotgit = (worktree / ".git",)
+        layout = Layout.of([worktree, home], hidden.dirs, hidden.files, cwd, blank, frozen=dotgit)
         with (out / "stdout").open("w+b") as log, (out / "stderr").open("w+b") as err:
             env = child_env(action, home, confined=confinement.confined)
             child = sandbox.spawn(
