@@ -396,3 +396,30 @@ def test_a_worktree_made_before_its_git_file_was_recorded_is_judged_by_the_admin
     assert resumed.code == Exit.DONE, resumed.err
     assert len(commits(gitrun)) == 2
     assert_clean_at(gitrun, branch(gitrun))
+
+
+def test_a_git_planted_between_steps_is_named_as_such_and_never_opened(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """An unconfined process plants a repository while the run is stopped: resume
+    names the real cause (not "another instance") and runs none of its hooks."""
+    flag = tmp_path / "fsmonitor-ran"
+    task = task_with(sandbox_copy, [{"command": RENAME}], exec_table='allow = ["*"]')
+    res = gitrun("run", str(task), "--run-id", RUN, GITRUN_CRASH_AT="before_verify")
+    assert res.code == -9, res.err
+    wt = worktree(gitrun)
+    kept = (wt / ".git").read_bytes()
+    (wt / ".git").unlink()
+    git(wt.parent, "init", "-q", str(wt))
+    git(wt, "config", "core.fsmonitor", f"touch {flag}")
+    resumed = gitrun("resume", RUN)
+    assert resumed.code == Exit.REFUSED, resumed.err
+    assert "dotgit-replaced" in resumed.err
+    assert ".git is a directory" in resumed.err
+    assert "another instance" not in resumed.err
+    assert not flag.exists()
+    fix = resumed.err.split("Put gitrun's back (", 1)[1].rsplit(") and resume", 1)[0]
+    subprocess.run(["bash", "-c", fix], check=True)  # what the message says to do
+    assert (wt / ".git").read_bytes() == kept
+    again = gitrun("resume", RUN)
+    assert again.code == Exit.DONE, again.err

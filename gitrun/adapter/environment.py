@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -141,12 +142,13 @@ class Environment(WorktreeFiles):
             self._dotgit = dotgit.expected(admin)
         wrong = dotgit.problem(self.worktree, admin, self._dotgit)
         if wrong is not None:
+            path = shlex.quote(str(self.worktree / ".git"))
+            line = shlex.quote(self._dotgit.decode("utf-8", "replace").rstrip("\n"))
             raise EnvironmentDrift(
                 "dotgit-replaced",
                 f"{self.worktree / '.git'} {wrong}, not the file gitrun made; a git command "
-                f"run there would use another repository. Put gitrun's back (rm -rf "
-                f"{self.worktree / '.git'} && printf %s {dotgit.expected(admin).decode()!r} > "
-                f"{self.worktree / '.git'}) and resume",
+                f"run there would use another repository. Put gitrun's back "
+                f"(rm -rf {path} && printf '%s\\n' {line} > {path}) and resume",
             )
 
     def instance_id(self) -> str:
