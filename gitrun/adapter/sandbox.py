@@ -171,12 +171,14 @@ class Layout:
     private_tmp: bool = True  # an empty /tmp; False: the host's, read-only (an agent's)
     shown: tuple[Path, ...] = ()  # read-only even inside ``writable`` (the verdict plugin)
     binds: tuple[tuple[Path, Path, bool], ...] = ()  # (source, destination, writable), last
+    frozen: tuple[Path, ...] = ()  # files inside ``writable`` bound read-only over themselves
 
     @classmethod
     def of(
         cls, writable: Sequence[Path], secret_dirs: Sequence[Path], secret_files: Sequence[Path],
         chdir: Path, blank: Path | None = None, *, private_tmp: bool = True,
         shown: Sequence[Path] = (), binds: Sequence[tuple[Path, Path, bool]] = (),
+        frozen: Sequence[Path] = (),
     ) -> Layout:  # fmt: skip
         """Hide a secret file's directory when nothing the tests need lives under it.
 
@@ -194,7 +196,15 @@ class Layout:
         kept = tuple(p.resolve() for p in writable)
         shown_dirs = tuple(p.resolve() for p in shown)
         return cls(
-            kept, tuple(dirs), tuple(files), chdir, blank, private_tmp, shown_dirs, tuple(binds)
+            kept,
+            tuple(dirs),
+            tuple(files),
+            chdir,
+            blank,
+            private_tmp,
+            shown_dirs,
+            tuple(binds),
+            tuple(frozen),
         )
 
     def bwrap_args(self, confinement: Confinement) -> list[str]:
@@ -220,6 +230,9 @@ class Layout:
             args += ["--bind", str(path), str(path)]
         for path in self.shown:
             args += ["--ro-bind", str(path), str(path)]
+        for path in self.frozen:  # a mount point: neither written, renamed over nor removed
+            if path.is_file() and not path.is_symlink():
+                args += ["--ro-bind", str(path), str(path)]
         for source, target, writable in self.binds:  # e.g. an exec step's git view
             args += ["--bind" if writable else "--ro-bind", str(source), str(target)]
         return [*args, "--chdir", str(self.chdir)]
