@@ -65,12 +65,17 @@ def assert_user_git_is_gitruns(gitrun: Gitrun) -> None:
 # -- a planted .git ----------------------------------------------------------------------
 
 FSMONITOR = "git config core.fsmonitor 'touch {flag}'"
+# An unconfined command gets the step's git view through GIT_DIR; a hostile one drops it first.
+NEW_REPO = "unset GIT_DIR GIT_WORK_TREE; rm .git && git init -q . && "
 
 
 @pytest.mark.parametrize(
     "plant",
     [
-        pytest.param("rm .git && git init -q . && " + FSMONITOR, id="repository-directory"),
+        pytest.param(
+            NEW_REPO + FSMONITOR,
+            id="repository-directory",
+        ),
         pytest.param("printf 'gitdir: /tmp\\n' > .git", id="file-naming-another-git-dir"),
         pytest.param("rm .git && ln -s geometry .git", id="symlink"),
         pytest.param("printf ' ' >> .git", id="one-byte-more"),
@@ -143,6 +148,7 @@ def test_a_git_dir_or_file_anywhere_else_in_an_execs_output_is_refused(
     "plant",
     [
         pytest.param(
+            "unset GIT_DIR GIT_WORK_TREE; "
             "mv .git /tmp/keep && git init -q . && rm -rf .git && mv /tmp/keep .git",
             id="planted-then-removed",
         ),
@@ -166,7 +172,7 @@ def test_a_crash_after_a_command_planted_a_git_resumes_with_gitruns_put_back(
     gitrun: Gitrun, sandbox_copy: Callable[[str], Path], tmp_path: Path
 ) -> None:
     flag = tmp_path / "fsmonitor-ran"
-    plant = "rm .git && git init -q . && " + FSMONITOR.format(flag=flag)
+    plant = NEW_REPO + FSMONITOR.format(flag=flag)
     task = task_with(sandbox_copy, [{"command": plant}, {"command": RENAME}],
                      exec_table='allow = ["*"]')  # fmt: skip
     unconfined = ("--isolation", "none")
@@ -357,7 +363,7 @@ def test_over_the_session_a_planted_git_and_a_huge_file_are_refused_and_the_sess
     rpc.call("initialize")
     sed = "sed -i 's/calc_area/circle_area/g' geometry/*.py"
     # the policy allows "sed -i *" only: a pattern is no boundary, the output check is
-    plant = f"{sed}; rm .git && git init -q . && {FSMONITOR.format(flag=flag)}"
+    plant = f"{sed}; {NEW_REPO}{FSMONITOR.format(flag=flag)}"
     tried = rpc.call("exec", command=plant)  # in bubblewrap .git is read-only: rm fails
     assert tried["exit_code"] != 0
     refusals = [
