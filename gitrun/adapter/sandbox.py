@@ -278,3 +278,75 @@ def spawn(
         os.close(info_w)
     child.sandbox_init = sandbox_init(info_r)
     return child
+
+
+def end_empty_sandboxes(lock: Path) -> int:
+    """SIGKILL every bubblewrap pid-namespace init that holds ``lock`` open while its
+    namespace holds no other process; how many were ended.
+
+    bwrap's init (pid 1 of the sandbox's pid namespace) inherits every descriptor of the
+    outer bwrap, an exec's worktree lock included. When gitrun is killed mid-command the
+    supervisor ends the command's tree, yet the init can be left behind (a namespace init
+    ignores the parent-death signal ``--die-with-parent`` arms), holding the lock for
+    ever. An init alone in its namespace runs nothing of the command, so nothing of it
+    can write to the worktree any more: ending it is what waiting for it would have done.
+    """
+    target = os.path.realpath(lock)
+    ended = 0
+    for pid in _pids():
+        ns = _pid_ns(pid)
+        if ns is None or _inner_pid(pid) != 1 or not _holds(pid, target):
+            continue
+        if _comm(pid) != "bwrap" or any(_pid_ns(p) == ns for p in _pids() if p != pid):
+            continue
+        try:
+            os.kill(pid, 9)
+            ended += 1
+        except OSError:
+            continue
+    return ended
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _pid_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _inner_pid(pid: int) -> int | None:
+    """The process's pid in its own (innermost) pid namespace."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
+
+
+def _holds(pid: int, target: str) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+        except OSError:
+            continue
+    return False
