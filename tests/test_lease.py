@@ -538,6 +538,19 @@ def test_a_stopped_worker_whose_lease_was_taken_over_has_its_late_work_refused_a
         assert_invisible(result.repo, oid)
 
 
+def stop_holding_no_witness_lock(gitrun: Gitrun, proc: subprocess.Popen[str], run_id: str) -> None:
+    """SIGSTOP ``proc`` at a moment it holds no witness lock (its background witness sync
+    may hold one for a moment): a stopped holder of it would block every reader."""
+    for _ in range(50):
+        os.kill(proc.pid, signal.SIGSTOP)
+        shown = gitrun("status", run_id, "--json")
+        if shown.code == 0 or "witness" not in shown.err:
+            return
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError(f"{proc.pid} held the witness lock at every try")
+
+
 @pytest.mark.timeout(120)
 def test_when_a_stopped_worker_dies_the_worker_that_took_over_its_lease_keeps_it(
     gitrun: Gitrun,
@@ -560,7 +573,7 @@ def test_when_a_stopped_worker_dies_the_worker_that_took_over_its_lease_keeps_it
     )
     reap.append(a)
     wait_until(lambda: in_verifier(gitrun, "r"), "A to reach its verifier")
-    os.kill(a.pid, signal.SIGSTOP)
+    stop_holding_no_witness_lock(gitrun, a, "r")
     wait_until(lambda: not lease_of(gitrun, "r")["live"], "A's lease to expire")
 
     b = gitrun.popen(
