@@ -272,6 +272,55 @@ def rewind(
     typer.echo(f"changed: {', '.join(r['paths'])}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def claude(
+    ctx: typer.Context,
+    task_dir: Annotated[
+        Path | None, typer.Argument(help="A task directory (none: --repo's default policy).")
+    ] = None,
+    repo: Annotated[
+        Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")
+    ] = None,
+    run_id: Annotated[
+        str | None, typer.Option("--run-id", help="Name the run; an existing one continues.")
+    ] = None,
+    finish: Annotated[
+        bool, typer.Option("--finish-on-stop", help="Run the verifier when Claude Code stops.")
+    ] = False,
+    claude_bin: Annotated[
+        str, typer.Option("--claude", help="The Claude Code executable.")
+    ] = "claude",
+    no_launch: Annotated[
+        bool, typer.Option("--no-launch", help="Set the run up and print how to start Claude.")
+    ] = False,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+) -> None:
+    """Start Claude Code on a run: its own worktree, every tool call one receipt commit."""
+    import shlex
+
+    from gitrun.integrations import claude_code
+
+    opts = _options(workspace, key_file)
+    started = claude_code.start(task_dir, opts, repo_path=repo, run_id=run_id, finish=finish)
+    argv = [claude_bin, "--settings", str(started.settings), *ctx.args]
+    typer.echo(f"run {started.run_id}: worktree {started.worktree}", err=True)
+    typer.echo(f"settings {started.settings}", err=True)
+    if no_launch:
+        typer.echo(f"cd {shlex.quote(str(started.worktree))} && {shlex.join(argv)}")
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir(started.worktree)
+    try:
+        os.execvpe(claude_bin, argv, claude_code.claude_env())  # noqa: S606 - an argv, no shell
+    except OSError as exc:
+        raise BadInput(
+            f"cannot start Claude Code ({claude_bin}): {exc.strerror}; install it "
+            "(npm install -g @anthropic-ai/claude-code) or pass --claude PATH"
+        ) from exc
+
+
 @checkpoint_app.command("verify")
 def checkpoint_verify(
     run_id: str,

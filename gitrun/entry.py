@@ -40,6 +40,7 @@ COMMANDS = (
         "rewind",
         "Restore the tree of an earlier receipt or generation as one new step (a new commit).",
     ),
+    ("claude", "Start Claude Code on a run: its own worktree, every tool call one receipt commit."),
     ("approve", "Show the action waiting for approval and sign an approval bound to exactly it."),
     ("swebench", "Evaluate SWE-bench predictions, one gitrun run per instance."),
     ("checkpoint", "Verify checkpoints."),
@@ -199,6 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     if args == ["--help"]:
         sys.stdout.write(help_text())
         sys.exit(0)
+    if args[:1] == ["hook"]:  # Claude Code runs one per tool call: no Typer on this path
+        from gitrun.integrations.claude_code import hook_main
+
+        sys.exit(hook_main(args[1:]))
     status = parse_status(args)
     if status is not None:
         # A status process lives for milliseconds and makes no garbage cycles worth

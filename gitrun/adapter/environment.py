@@ -39,7 +39,7 @@ from gitrun.core.errors import (
     ReceiptConflict,
     Refused,
 )
-from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
+from gitrun.core.records import EXEC, REWIND, TOOL, Action, Precondition, Receipt
 from gitrun.store import durable, gitstore, journal, trees
 from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
@@ -50,7 +50,7 @@ from gitrun.store.receipts import index_ref as index_ref  # noqa: PLC0414 - re-e
 from gitrun.store.remote import RemoteReceiptLog, RemoteSite
 
 if TYPE_CHECKING:
-    from gitrun.adapter.exec_step import ExecContext
+    from gitrun.adapter.exec_step import ExecContext, ToolContext
 
 INSTANCE_FILE = "gitrun-instance.json"
 AUTHOR = ("gitrun", "gitrun@localhost")
@@ -228,7 +228,7 @@ class Environment(WorktreeFiles):
         fence: Fence,
         approval: Approval | None = None,
         *,
-        shell: ExecContext | None = None,
+        shell: ExecContext | ToolContext | None = None,
         lead: Lead | None = None,
     ) -> Outcome:
         """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5. An exec
@@ -237,9 +237,17 @@ class Environment(WorktreeFiles):
         if action.kind == EXEC:
             from gitrun.adapter import exec_step
 
-            if shell is None:
+            if not isinstance(shell, exec_step.ExecContext):
                 raise GitrunError("an exec step needs its execution context")
             return exec_step.execute(
+                self, action, key, intent_digest, precondition, fence, approval, shell
+            )
+        if action.kind == TOOL:
+            from gitrun.adapter import exec_step
+
+            if not isinstance(shell, exec_step.ToolContext):
+                raise GitrunError("a tool step needs its context")
+            return exec_step.record_tool(
                 self, action, key, intent_digest, precondition, fence, approval, shell
             )
         if action.intent_digest() != intent_digest:
@@ -419,8 +427,9 @@ class Environment(WorktreeFiles):
             approval.fingerprint if approval else "none",
         )
         more = [tuple(line.split(": ", 1)) for line in extra]  # e.g. an exec's exit code
+        label = action.tool if action.kind == TOOL and action.tool else action.kind
         message = trailer.write_message(
-            f"gitrun: {action.kind} {shown}",
+            f"gitrun: {label} {shown or '(no change)'}",
             body.replace("---", "- - -"),
             [*zip(trailer.WRITE, values, strict=True), *((k, v) for k, v in more)],
         )

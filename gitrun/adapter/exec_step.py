@@ -45,7 +45,7 @@ from gitrun.core.errors import (
     ReceiptConflict,
     Refused,
 )
-from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
+from gitrun.core.records import EXEC, NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
 from gitrun.store import durable, gitstore, oslock, trees
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.receipts import output_ref
@@ -176,16 +176,86 @@ def execute(
     env._check_precondition(head, pre)
     env._check_fence(head, fence, approval)
     ran = _run_on_clean_tree(env, action, key, head, fence, ctx)
-    changes = shell.scan(env.repo, env.worktree, head.tree, write=True)
-    new_tree = _checked_tree(env, ctx.gate, head.tree, changes, fence)
-    output = output_tree(env.repo, ran.stdout, ran.stderr)
-    _keep_output(env, key, output, fence)
     code = TIMEOUT if ran.exit_code is None else str(ran.exit_code)
-    extra = [
-        f"Gitrun-Exit-Code: {code}",
-        f"Gitrun-Output: {output}",
-        f"Gitrun-Output-Digest: {output_digest(ran.stdout, ran.stderr)}",
-    ]
+    streams = Streams(ran.stdout, ran.stderr, [f"Gitrun-Exit-Code: {code}"])
+    return _commit_change(
+        env, action, key, intent_digest, pre, fence, approval, head, ctx.gate, streams
+    )
+
+
+@dataclass(frozen=True)
+class Streams:
+    """What a command or tool call said (kept as an output tree) and its extra trailers."""
+
+    stdout: bytes
+    stderr: bytes
+    trailers: list[str]
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """How to record a tool step: the gate for its change and what the tool reported
+    (None when it is not known: a call reconciled after a crash, a change made outside
+    any call)."""
+
+    gate: Gate
+    observed: Streams | None = None
+
+
+def record_tool(
+    env: Environment,
+    action: Action,
+    key: str,
+    intent_digest: str,
+    pre: Precondition,
+    fence: Fence,
+    approval: Approval | None,
+    ctx: ToolContext,
+) -> Outcome:
+    """Record at most once for ``key`` the change an outside tool call already made to
+    the worktree: the whole worktree against HEAD, gated path by path and committed as
+    ONE write commit, exactly as an exec step's change after its command (a change the
+    gate refuses puts the worktree back to HEAD and raises :class:`ExecRefused`)."""
+    if action.intent_digest() != intent_digest:
+        raise Refused(f"intent digest {intent_digest} does not match the action")
+    found = env.lookup(key, since=pre.head)
+    if found is not None:
+        if found.intent_digest != intent_digest:
+            raise ReceiptConflict(found, intent_digest)
+        return Outcome(found, replayed=True)
+    head = env.head()
+    env._check_precondition(head, pre)
+    env._check_fence(head, fence, approval)
+    streams = ctx.observed or Streams(b"", b"", [])
+    return _commit_change(
+        env, action, key, intent_digest, pre, fence, approval, head, ctx.gate, streams
+    )
+
+
+def _commit_change(
+    env: Environment,
+    action: Action,
+    key: str,
+    intent_digest: str,
+    pre: Precondition,
+    fence: Fence,
+    approval: Approval | None,
+    head: pygit2.Commit,
+    gate: Gate,
+    streams: Streams,
+) -> Outcome:
+    """Scan the worktree's whole change against HEAD, gate it, and commit it as one
+    write commit with the output kept (the fenced compare-and-swap is the commit point)."""
+    changes = shell.scan(env.repo, env.worktree, head.tree, write=True)
+    new_tree = _checked_tree(env, gate, head.tree, changes, fence)
+    extra = list(streams.trailers)
+    if action.kind == EXEC or streams.stdout or streams.stderr:
+        output = output_tree(env.repo, streams.stdout, streams.stderr)
+        _keep_output(env, key, output, fence)
+        extra += [
+            f"Gitrun-Output: {output}",
+            f"Gitrun-Output-Digest: {output_digest(streams.stdout, streams.stderr)}",
+        ]
     oid = env._commit(
         action, key, intent_digest, pre, fence, approval, head, new_tree, sorted(changes), extra
     )
@@ -343,6 +413,10 @@ def tip_is_pending_exec(env: Environment, gate: Gate, tip: pygit2.Commit) -> Non
         raise EnvironmentDrift(
             "foreign-commit", f"{tip.id} carries the exec's key but a change it refuses: {exc}"
         ) from exc
+    if tip.message_trailers.get("Gitrun-Action") != EXEC and "Gitrun-Output" not in (
+        tip.message_trailers
+    ):
+        return  # a tool step the tool reported nothing for
     found = read_output(env.repo, tip.message_trailers.get("Gitrun-Output", ""))
     if found is None or found[2] != tip.message_trailers.get("Gitrun-Output-Digest"):
         raise EnvironmentDrift("foreign-commit", f"{tip.id} names no output matching its digest")
