@@ -276,7 +276,8 @@ def rewind(
 def claude(
     ctx: typer.Context,
     task_dir: Annotated[
-        Path | None, typer.Argument(help="A task directory (none: --repo's default policy).")
+        Path | None,
+        typer.Option("--task", help="A task directory (none: --repo with the default policy)."),
     ] = None,
     repo: Annotated[
         Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")

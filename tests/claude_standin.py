@@ -56,10 +56,26 @@ class Script:
     """The tool calls the stand-in hands out, in order: (name, input)."""
 
     calls: Sequence[tuple[str, dict[str, Any]]]
+    prefix: str = "toolu_gitrun_"  # its tool_use ids: a resumed conversation's own are not counted
     requests: list[dict[str, Any]] = field(default_factory=list)
 
     def tool_id(self, n: int) -> str:
-        return f"toolu_gitrun_{n:04d}"
+        return f"{self.prefix}{n:04d}"
+
+    def conversation(self) -> str:
+        """The last request's whole conversation as JSON text: what the model was shown."""
+        return json.dumps(self.requests[-1].get("messages", [])) if self.requests else ""
+
+    def results(self) -> list[str]:
+        """The text of every tool_result Claude Code sent back for this script's calls."""
+        out: dict[str, str] = {}
+        for body in self.requests:
+            for m in body.get("messages", []):
+                for b in m.get("content") if isinstance(m.get("content"), list) else []:
+                    ours = str(b.get("tool_use_id", "")).startswith(self.prefix)
+                    if b.get("type") == "tool_result" and ours:
+                        out[b["tool_use_id"]] = json.dumps(b.get("content"))
+        return [out[k] for k in sorted(out)]
 
 
 def _events(
@@ -86,7 +102,9 @@ def answer(script: Script, body: dict[str, Any]) -> bytes:
         for m in body.get("messages", [])
         if isinstance(m.get("content"), list)
         for b in m["content"]
-        if isinstance(b, dict) and b.get("type") == "tool_result"
+        if isinstance(b, dict)
+        and b.get("type") == "tool_result"
+        and str(b.get("tool_use_id", "")).startswith(script.prefix)
     )
     message: dict[str, Any] = {"id": f"msg_{n}", "type": "message", "role": "assistant",
                "model": "claude-sonnet-4-5", "content": [], "stop_reason": None,

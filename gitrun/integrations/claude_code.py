@@ -149,7 +149,7 @@ def start(
             state = run.state
     else:
         if task_dir is None and repo_path is None:
-            raise BadInput("gitrun claude needs a task directory or --repo PATH (or both)")
+            raise BadInput("gitrun claude needs --task DIR or --repo PATH (or both)")
         task = task_dir if task_dir is not None else default_task_dir(opts)
         state = service.start(task, opts, repo_path=repo_path, agent_spec="claude", run_id=run_id)
     rid = state.run_id
@@ -165,7 +165,10 @@ def start(
 def claude_env() -> dict[str, str]:
     """Claude Code's environment: the user's, without gitrun's own variables (the hooks
     get the workspace and key file on their command lines)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("GITRUN_")}
+    from gitrun.core import faults
+
+    keep = (faults.ENV_VAR, faults.PAUSE_VAR)  # fault injection reaches the hooks (tests)
+    return {k: v for k, v in os.environ.items() if not k.startswith("GITRUN_") or k in keep}
 
 
 # -- hooks ----------------------------------------------------------------------------
