@@ -322,6 +322,26 @@ def claude(
         ) from exc
 
 
+@app.command()
+def rm(
+    run_id: str,
+    force: Annotated[
+        bool, typer.Option("--force", help="Remove even a worktree holding unrecorded changes.")
+    ] = False,
+    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None,
+    takeover_after: TakeoverOpt = None,
+) -> None:  # fmt: skip
+    """Remove a run: worktree, branch, refs and records; git gc then frees its objects."""
+    from gitrun.app import removing
+
+    opts = _options(workspace, key_file, None, 30.0, takeover_after)
+    r = removing.remove(run_id, opts, force=force)
+    typer.echo(
+        f"run {run_id}: removed worktree {r.worktree}, branch gitrun/{run_id} and {r.refs} refs"
+    )
+    typer.echo(f"its objects are unreachable now; free them with: git -C {r.repo} gc --prune=now")
+
+
 @checkpoint_app.command("verify")
 def checkpoint_verify(
     run_id: str,

@@ -41,6 +41,7 @@ COMMANDS = (
         "Restore the tree of an earlier receipt or generation as one new step (a new commit).",
     ),
     ("claude", "Start Claude Code on a run: its own worktree, every tool call one receipt commit."),
+    ("rm", "Remove a run: worktree, branch, refs and records; git gc then frees its objects."),
     ("approve", "Show the action waiting for approval and sign an approval bound to exactly it."),
     ("swebench", "Evaluate SWE-bench predictions, one gitrun run per instance."),
     ("checkpoint", "Verify checkpoints."),

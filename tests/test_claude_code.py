@@ -387,3 +387,55 @@ def test_the_readmes_mcp_configuration_for_claude_code_works_as_printed(
     found: list[dict[str, Any]] = json.loads(listed.stdout)
     found = found if isinstance(found, list) else found["receipts"]
     assert [(r["key"], r["action"]) for r in found] == [("fix-1-patch", "apply_patch")]
+
+
+def test_the_verifier_runs_when_claude_code_stops_and_the_run_ends_done(
+    claude_bin: Path, ws: Path, tmp_path: Path
+) -> None:
+    task = tmp_path / "fix-median"
+    shutil.copytree(SANDBOXES / "fix-median", task)
+    wt = worktree(ws, "v1")
+    old = "        return data[mid]\n    return data[mid]\n"
+    new = "        return data[mid]\n    return (data[mid - 1] + data[mid]) / 2\n"
+    script = Script([
+        ("Bash", {"command": "echo hi > stats/x.txt", "description": "d"}),
+        ("Read", {"file_path": f"{wt}/stats/median.py"}),
+        ("Edit", {"file_path": f"{wt}/stats/median.py", "old_string": old, "new_string": new}),
+    ])  # fmt: skip
+    args = ["--task", str(task), "--run-id", "v1", "--finish-on-stop"]
+    done = session(claude_bin, ws, tmp_path, args, script)
+    assert done.returncode == 0, done.stderr
+    assert "(rule action-not-allowed)" in script.results()[0]  # this task allows no exec
+    status = gitrun(ws, "status", "v1", "--json")
+    found = json.loads(status.stdout)
+    assert (found["phase"], found["stop_reason"]) == ("done", "verified")
+    repo = ws / "repos" / "fix-median"
+    assert [s["Gitrun-Tool"] for s in receipts(repo, "v1")] == ["Edit"]
+
+
+def test_rm_removes_the_run_whole_and_git_gc_collects_its_receipts(
+    claude_bin: Path, repo: Path, ws: Path, tmp_path: Path
+) -> None:
+    script = Script([("Bash", {"command": "echo a > a.txt && echo out", "description": "d"})])
+    done = session(claude_bin, ws, tmp_path, ["--repo", str(repo), "--run-id", "m1"], script)
+    assert done.returncode == 0, done.stderr
+    step = receipts(repo, "m1")[0]
+    wt = worktree(ws, "m1")
+    (wt / "unsaved.txt").write_text("work no receipt has\n")
+    refused = gitrun(ws, "rm", "m1")
+    assert refused.returncode == 5, refused.stderr
+    assert "unsaved.txt" in refused.stderr
+    assert git(repo, "rev-parse", "gitrun/m1").strip() == step["commit"]  # nothing removed
+    removed = gitrun(ws, "rm", "m1", "--force")
+    assert removed.returncode == 0, removed.stderr
+    assert git(repo, "for-each-ref", "refs/gitrun/runs/m1", "refs/heads/gitrun").strip() == ""
+    assert not wt.exists()
+    assert gitrun(ws, "status", "m1").returncode == 2
+    git(repo, "reflog", "expire", "--expire=now", "--all")
+    git(repo, "gc", "-q", "--prune=now")
+    for oid in (step["commit"], step["Gitrun-Output"]):
+        assert subprocess.run(["git", "-C", str(repo), "cat-file", "-e", oid],
+                              check=False).returncode != 0  # fmt: skip
+    assert git(repo, "fsck", "--strict").strip() == ""
+    again = gitrun(ws, "claude", "--repo", str(repo), "--run-id", "m1", "--no-launch")
+    assert again.returncode == 0, again.stderr  # the name is free again
