@@ -314,7 +314,7 @@ def claude(
     sys.stderr.flush()
     os.chdir(started.worktree)
     try:
-        os.execvpe(claude_bin, argv, claude_code.claude_env())  # noqa: S606 - an argv, no shell
+        os.execvpe(claude_bin, argv, claude_code.claude_env(opts))  # noqa: S606 - an argv, no shell
     except OSError as exc:
         raise BadInput(
             f"cannot start Claude Code ({claude_bin}): {exc.strerror}; install it "

@@ -314,6 +314,26 @@ def test_rewind_restores_what_a_bash_call_changed_in_the_branch_and_the_worktree
     assert git(wt, "status", "--porcelain") == ""
 
 
+def test_the_model_can_rewind_through_its_shell_and_the_rewind_is_one_more_step(
+    claude_bin: Path, repo: Path, ws: Path, tmp_path: Path
+) -> None:
+    base = git(repo, "rev-parse", "main").strip()
+    script = Script([
+        ("Bash", {"command": "sed -i s/1/9/ app.py", "description": "d"}),
+        ("Bash", {"command": f"gitrun rewind r2 --to {base[:12]}", "description": "d"}),
+    ])  # fmt: skip
+    path = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = session(claude_bin, ws, tmp_path, ["--repo", str(repo), "--run-id", "r2"], script,
+                   env=path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "rewind committed as" in script.results()[1]
+    steps = receipts(repo, "r2")
+    assert [s["subject"] for s in steps] == [
+        "gitrun: Bash app.py", "gitrun: rewind app.py", "gitrun: Bash (no change)",
+    ]  # fmt: skip
+    assert (worktree(ws, "r2") / "app.py").read_text() == "print(1)\n"
+
+
 def test_two_parallel_sessions_on_one_repository_stay_in_their_own_worktrees(
     claude_bin: Path, repo: Path, ws: Path, tmp_path: Path
 ) -> None:

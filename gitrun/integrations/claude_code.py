@@ -162,13 +162,16 @@ def start(
     return Started(rid, Path(state.env.worktree), path, state)
 
 
-def claude_env() -> dict[str, str]:
+def claude_env(opts: Options) -> dict[str, str]:
     """Claude Code's environment: the user's, without gitrun's own variables (the hooks
-    get the workspace and key file on their command lines)."""
+    get the workspace and key file on their command lines) but ``GITRUN_HOME``, so that
+    ``gitrun log`` and ``gitrun rewind`` work from the session's shell too."""
     from gitrun.core import faults
 
     keep = (faults.ENV_VAR, faults.PAUSE_VAR)  # fault injection reaches the hooks (tests)
-    return {k: v for k, v in os.environ.items() if not k.startswith("GITRUN_") or k in keep}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GITRUN_") or k in keep}
+    env["GITRUN_HOME"] = str(opts.workspace.root)
+    return env
 
 
 # -- hooks ----------------------------------------------------------------------------
