@@ -35,6 +35,7 @@ from gitrun.adapter import shell
 from gitrun.adapter.environment import Approval, Environment, Outcome
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import Confinement
+from gitrun.adapter.scancache import ScanCache
 from gitrun.core import faults
 from gitrun.core.codec import encode
 from gitrun.core.errors import (
@@ -200,6 +201,7 @@ class ToolContext:
 
     gate: Gate
     observed: Streams | None = None
+    cache: ScanCache | None = None  # what the scan may skip (tool steps come often)
 
 
 def record_tool(
@@ -228,7 +230,7 @@ def record_tool(
     env._check_fence(head, fence, approval)
     streams = ctx.observed or Streams(b"", b"", [])
     return _commit_change(
-        env, action, key, intent_digest, pre, fence, approval, head, ctx.gate, streams
+        env, action, key, intent_digest, pre, fence, approval, head, ctx.gate, streams, ctx.cache
     )
 
 
@@ -243,11 +245,14 @@ def _commit_change(
     head: pygit2.Commit,
     gate: Gate,
     streams: Streams,
+    cache: ScanCache | None = None,
 ) -> Outcome:
     """Scan the worktree's whole change against HEAD, gate it, and commit it as one
     write commit with the output kept (the fenced compare-and-swap is the commit point)."""
-    changes = shell.scan(env.repo, env.worktree, head.tree, write=True)
+    changes = shell.scan(env.repo, env.worktree, head.tree, write=True, cache=cache)
     new_tree = _checked_tree(env, gate, head.tree, changes, fence)
+    if cache is not None:
+        cache.advance(head.tree, new_tree, changes)
     extra = list(streams.trailers)
     if action.kind == EXEC or streams.stdout or streams.stderr:
         output = output_tree(env.repo, streams.stdout, streams.stderr)

@@ -31,6 +31,7 @@ import pygit2
 
 from gitrun.adapter import safefs, sandbox
 from gitrun.adapter.sandbox import Confinement, Layout, SandboxFailed
+from gitrun.adapter.scancache import ScanCache
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, EnvironmentDrift
 from gitrun.core.records import Action
@@ -197,20 +198,27 @@ def tree_entries(tree: pygit2.Tree, prefix: str = "") -> dict[str, Entry]:
 
 
 def disk_entries(
-    worktree: Path, store: Callable[[bytes], pygit2.Oid] = pygit2.hash
+    worktree: Path,
+    store: Callable[[bytes], pygit2.Oid] = pygit2.hash,
+    cache: ScanCache | None = None,
 ) -> dict[str, Entry]:
-    """Every file, link and special file under ``worktree`` but ``.git``, links unfollowed."""
+    """Every file, link and special file under ``worktree`` but ``.git``, links unfollowed
+    (a file ``cache`` knows unchanged since it was hashed is not read again)."""
     out: dict[str, Entry] = {}
     fd = os.open(worktree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        _walk(fd, "", out, store)
+        _walk(fd, "", out, store, cache)
     finally:
         os.close(fd)
     return out
 
 
 def _walk(
-    dfd: int, prefix: str, out: dict[str, Entry], store: Callable[[bytes], pygit2.Oid]
+    dfd: int,
+    prefix: str,
+    out: dict[str, Entry],
+    store: Callable[[bytes], pygit2.Oid],
+    cache: ScanCache | None = None,
 ) -> None:
     for name in sorted(os.listdir(dfd)):
         if not prefix and name == ".git":
@@ -219,14 +227,20 @@ def _walk(
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
             with _opened_dir(dfd, name) as sub:
-                _walk(sub, path + "/", out, store)
+                _walk(sub, path + "/", out, store, cache)
         elif stat.S_ISLNK(st.st_mode):
             out[path] = (trees.LINK, store(os.fsencode(os.readlink(name, dir_fd=dfd))))
         elif stat.S_ISREG(st.st_mode):
+            known = cache.lookup(path, st) if cache is not None else None
+            if known is not None:
+                out[path] = known
+                continue
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             with os.fdopen(os.open(name, flags, dir_fd=dfd), "rb") as fh:
                 data = fh.read()
             out[path] = (trees.EXEC if st.st_mode & stat.S_IXUSR else trees.BLOB, store(data))
+            if cache is not None:
+                cache.remember(path, st, out[path])
         else:
             out[path] = (OTHER, None)
 
@@ -241,15 +255,21 @@ def _opened_dir(dfd: int, name: str) -> Iterator[int]:
 
 
 def scan(
-    repo: pygit2.Repository, worktree: Path, tree: pygit2.Tree, *, write: bool = False
+    repo: pygit2.Repository,
+    worktree: Path,
+    tree: pygit2.Tree,
+    *,
+    write: bool = False,
+    cache: ScanCache | None = None,
 ) -> dict[str, Entry | None]:
     """path → what the disk holds instead of ``tree``'s entry (None: deleted).
 
-    With ``write`` the blobs of new and changed files are stored in ``repo``.
+    With ``write`` the blobs of new and changed files are stored in ``repo``; ``cache``
+    spares reading files unchanged since they were hashed (:mod:`gitrun.adapter.scancache`).
     """
-    before = tree_entries(tree)
+    before = tree_entries(tree) if cache is None else cache.entries_of(tree, tree_entries)
     store = repo.create_blob if write else pygit2.hash
-    now = disk_entries(worktree)
+    now = disk_entries(worktree, cache=cache)
     changes: dict[str, Entry | None] = {}
     for path in sorted(set(before) | set(now)):
         if before.get(path) != now.get(path):

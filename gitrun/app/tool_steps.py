@@ -30,6 +30,8 @@ import pygit2
 
 from gitrun.adapter import shell
 from gitrun.adapter.exec_step import Streams, as_tree_changes
+from gitrun.adapter.gate import normalise_path
+from gitrun.adapter.scancache import ScanCache
 from gitrun.app.opening import Options, lease_store, load_verified, open_run
 from gitrun.core.codec import digest
 from gitrun.core.errors import BadInput, CheckpointRejected, Frozen, GateRejected
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from gitrun.engine.runtime import Runtime
 
 CALL_FILE = "gitrun-tool-call.json"  # in the worktree's private git dir: the call under way
+SCAN_CACHE_FILE = "gitrun-scan-cache.json"  # ditto: what a scan may skip (scancache.py)
 OUTSIDE = "outside"  # the tool name of a change no call made
 _KEY = re.compile(KEY_PATTERN + r"\Z")
 
@@ -98,6 +101,7 @@ class ToolRun:
 
     rt: Runtime
     agent: SessionAgent
+    cache: ScanCache
 
     @property
     def state(self) -> RunState:
@@ -148,7 +152,9 @@ class ToolRun:
 
     def changes(self, *, write: bool = False) -> dict[str, shell.Entry | None]:
         """What the worktree holds beyond HEAD (hashed; stored too with ``write``)."""
-        return shell.scan(self.rt.env.repo, self.worktree, self.head_tree(), write=write)
+        return shell.scan(
+            self.rt.env.repo, self.worktree, self.head_tree(), write=write, cache=self.cache
+        )
 
     def check_changes(self, changes: dict[str, shell.Entry | None]) -> None:
         """Refuse (GateRejected, nothing changed) a change the path rules do not allow."""
@@ -163,8 +169,8 @@ class ToolRun:
     def check_paths(self, paths: list[str]) -> None:
         """An edit tool's paths (relative to the worktree) against the path rules."""
         tree = self.head_tree()
-        for path in paths:
-            self.rt.gate.check_path(path, tree)
+        for raw in paths:
+            self.rt.gate.check_path(normalise_path(raw), tree)
 
     def check_command(self, command: str) -> None:
         """A shell command against the policy's ``[policy.exec]`` allow and deny."""
@@ -176,6 +182,7 @@ class ToolRun:
     def record(self, call: ToolCall, observed: Streams | None) -> Receipt:
         """The worktree's whole change since the last step as ONE step under the call's
         key (a change the gate refuses: the worktree is put back and GateRejected)."""
+        self.rt.scan_cache = self.cache
         self.rt.observed = Streams(
             observed.stdout if observed else b"",
             observed.stderr if observed else b"",
@@ -258,9 +265,12 @@ def opened_run(run_id: str, opts: Options) -> Iterator[ToolRun]:
         rt = build_runtime(opened, ref, stored, lease, agent, opts)
         if rt.state.phase not in TERMINAL and rt.state.phase != NEEDS_REVIEW:
             reconcile(rt, dirty_ok=True)
+        cache = ScanCache.load(Path(rt.env.wt.path) / SCAN_CACHE_FILE)
+        rt.scan_cache = cache
         if rt.state.phase == RUNNING and rt.state.pending is not None:
             rt.execute_pending()  # a pending step a killed hook left: recorded once, its key
-        yield ToolRun(rt, agent)
+        yield ToolRun(rt, agent, cache)
+        cache.save()
         rt.pause()  # the receipt riding becomes the checkpoint
     finally:
         lease.release()

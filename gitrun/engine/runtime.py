@@ -22,6 +22,7 @@ from gitrun.adapter.environment import Approval, Environment, Observation
 from gitrun.adapter.exec_step import ExecContext, ExecRefused, Streams, ToolContext
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import CommandCannotStart, Confinement
+from gitrun.adapter.scancache import ScanCache
 from gitrun.adapter.shell import Hidden
 from gitrun.core import faults
 from gitrun.core import machine as m
@@ -68,6 +69,7 @@ class Runtime:
     abandoned: GateRejected | None = None  # why the last pending action was dropped (sessions)
     output_log: Path | None = None  # where the verifier keeps the test command's output
     observed: Streams | None = None  # what the outside tool of a pending tool step reported
+    scan_cache: ScanCache | None = None  # what a tool step's scan may skip
 
     def __post_init__(self) -> None:
         self._segment_start = time.time()
@@ -237,7 +239,7 @@ class Runtime:
         if p.action.kind == EXEC:
             shell = self.exec_context()
         elif p.action.kind == TOOL:
-            shell = ToolContext(self.gate, self.observed)
+            shell = ToolContext(self.gate, self.observed, self.scan_cache)
         if shell is not None:
             self.land()  # a command's intent is durable before it starts
         lead = self.rider.prepared.lead if self.rider.prepared is not None else None
