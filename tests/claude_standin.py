@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 CLAUDE_CODE_VERSION = "2.1.332"  # the version REFERENCE checked; pinned here
 CLAUDE_CACHE = Path(os.environ.get("GITRUN_CLAUDE_CACHE", Path.home() / ".cache" / "gitrun-claude"))
@@ -38,17 +39,25 @@ def install_claude() -> Path:
     npm = shutil.which("npm")
     if npm is None:
         pytest.skip("npm is not installed: Claude Code cannot be installed for these tests")
+    CLAUDE_CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(CLAUDE_CACHE / f"{CLAUDE_CODE_VERSION}.lock")):  # xdist workers: one
+        if not binary.exists():
+            _npm_install(npm, prefix)
+    if not binary.exists():
+        pytest.skip("npm could not install Claude Code: see the warning above")
+    return binary
+
+
+def _npm_install(npm: str, prefix: Path) -> None:
     prefix.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
         [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
          f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
-    if done.returncode != 0 or not binary.exists():
-        pytest.skip(
-            f"npm could not install Claude Code (registry unreachable?): {done.stderr[-300:]}"
-        )
-    return binary
+    if done.returncode != 0:
+        why = done.stderr[-300:]
+        pytest.skip(f"npm could not install Claude Code (registry unreachable?): {why}")
 
 
 @dataclass
