@@ -459,3 +459,20 @@ def test_rm_removes_the_run_whole_and_git_gc_collects_its_receipts(
     assert git(repo, "fsck", "--strict").strip() == ""
     again = gitrun(ws, "claude", "--repo", str(repo), "--run-id", "m1", "--no-launch")
     assert again.returncode == 0, again.stderr  # the name is free again
+
+
+def test_a_failing_bash_calls_change_is_recorded_under_its_own_key(
+    claude_bin: Path, repo: Path, ws: Path, tmp_path: Path
+) -> None:
+    wt = worktree(ws, "f1")
+    script = Script([
+        ("Bash", {"command": "echo half > f.txt; exit 3", "description": "d"}),
+        ("Write", {"file_path": f"{wt}/g.txt", "content": "g\n"}),
+    ])  # fmt: skip
+    done = session(claude_bin, ws, tmp_path, ["--repo", str(repo), "--run-id", "f1"], script)
+    assert done.returncode == 0, done.stderr
+    steps = receipts(repo, "f1")
+    assert [(s["Gitrun-Idempotency-Key"], s["subject"]) for s in steps] == [
+        ("toolu_gitrun_0000", "gitrun: Bash f.txt"),
+        ("toolu_gitrun_0001", "gitrun: Write g.txt"),
+    ]
