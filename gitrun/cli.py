@@ -26,6 +26,7 @@ from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.records import DONE, RunState
 from gitrun.entry import status_text
+from gitrun.integrations import claude_cli
 
 app = typer.Typer(
     add_completion=False,
@@ -272,74 +273,9 @@ def rewind(
     typer.echo(f"changed: {', '.join(r['paths'])}")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def claude(
-    ctx: typer.Context,
-    task_dir: Annotated[
-        Path | None,
-        typer.Option("--task", help="A task directory (none: --repo with the default policy)."),
-    ] = None,
-    repo: Annotated[
-        Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")
-    ] = None,
-    run_id: Annotated[
-        str | None, typer.Option("--run-id", help="Name the run; an existing one continues.")
-    ] = None,
-    finish: Annotated[
-        bool, typer.Option("--finish-on-stop", help="Run the verifier when Claude Code stops.")
-    ] = False,
-    claude_bin: Annotated[
-        str, typer.Option("--claude", help="The Claude Code executable.")
-    ] = "claude",
-    no_launch: Annotated[
-        bool, typer.Option("--no-launch", help="Set the run up and print how to start Claude.")
-    ] = False,
-    workspace: WorkspaceOpt = None,
-    key_file: KeyFileOpt = None,
-) -> None:
-    """Start Claude Code on a run: its own worktree, every tool call one receipt commit."""
-    import shlex
-
-    from gitrun.integrations import claude_code
-
-    opts = _options(workspace, key_file)
-    started = claude_code.start(task_dir, opts, repo_path=repo, run_id=run_id, finish=finish)
-    argv = [claude_bin, "--settings", str(started.settings), *ctx.args]
-    typer.echo(f"run {started.run_id}: worktree {started.worktree}", err=True)
-    typer.echo(f"settings {started.settings}", err=True)
-    if no_launch:
-        typer.echo(f"cd {shlex.quote(str(started.worktree))} && {shlex.join(argv)}")
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.chdir(started.worktree)
-    try:
-        os.execvpe(claude_bin, argv, claude_code.claude_env(opts))  # noqa: S606 - an argv, no shell
-    except OSError as exc:
-        raise BadInput(
-            f"cannot start Claude Code ({claude_bin}): {exc.strerror}; install it "
-            "(npm install -g @anthropic-ai/claude-code) or pass --claude PATH"
-        ) from exc
-
-
-@app.command()
-def rm(
-    run_id: str,
-    force: Annotated[
-        bool, typer.Option("--force", help="Remove even a worktree holding unrecorded changes.")
-    ] = False,
-    workspace: WorkspaceOpt = None, key_file: KeyFileOpt = None,
-    takeover_after: TakeoverOpt = None,
-) -> None:  # fmt: skip
-    """Remove a run: worktree, branch, refs and records; git gc then frees its objects."""
-    from gitrun.app import removing
-
-    opts = _options(workspace, key_file, None, 30.0, takeover_after)
-    r = removing.remove(run_id, opts, force=force)
-    typer.echo(
-        f"run {run_id}: removed worktree {r.worktree}, branch gitrun/{run_id} and {r.refs} refs"
-    )
-    typer.echo(f"its objects are unreachable now; free them with: git -C {r.repo} gc --prune=now")
+# Claude Code on a run, and removing a run (issue #33): their commands live beside them.
+app.command(context_settings=claude_cli.EXTRA_ARGS)(claude_cli.claude)
+app.command()(claude_cli.rm)
 
 
 @checkpoint_app.command("verify")

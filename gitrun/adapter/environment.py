@@ -234,22 +234,10 @@ class Environment(WorktreeFiles):
         """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5. An exec
         needs ``shell`` (:func:`gitrun.adapter.exec_step.execute`). ``lead``, the intent's
         checkpoint move, rides in the branch move (``lead.moved``: not for a replay)."""
-        if action.kind == EXEC:
-            from gitrun.adapter import exec_step
+        if action.kind in (EXEC, TOOL):  # the worktree's whole change (exec_step.perform)
+            from gitrun.adapter.exec_step import perform
 
-            if not isinstance(shell, exec_step.ExecContext):
-                raise GitrunError("an exec step needs its execution context")
-            return exec_step.execute(
-                self, action, key, intent_digest, precondition, fence, approval, shell
-            )
-        if action.kind == TOOL:
-            from gitrun.adapter import exec_step
-
-            if not isinstance(shell, exec_step.ToolContext):
-                raise GitrunError("a tool step needs its context")
-            return exec_step.record_tool(
-                self, action, key, intent_digest, precondition, fence, approval, shell
-            )
+            return perform(self, action, key, intent_digest, precondition, fence, approval, shell)
         if action.intent_digest() != intent_digest:
             raise Refused(f"intent digest {intent_digest} does not match the action")
         replayed = self._replay(key, intent_digest, precondition)

@@ -46,7 +46,16 @@ from gitrun.core.errors import (
     ReceiptConflict,
     Refused,
 )
-from gitrun.core.records import EXEC, NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
+from gitrun.core.records import (
+    EXEC,
+    NEEDS_REVIEW,
+    TOOL,
+    Action,
+    Event,
+    Precondition,
+    Receipt,
+    ReviewCase,
+)
 from gitrun.store import durable, gitstore, oslock, trees
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.receipts import output_ref
@@ -153,6 +162,18 @@ def output_of(repo: pygit2.Repository, receipt: Receipt) -> tuple[bytes, bytes] 
     if found is None:
         raise EnvironmentDrift("exec-output", f"{receipt.output} is not an exec output")
     return found[0], found[1]
+
+
+def perform(
+    env: Environment, action: Action, key: str, intent_digest: str, pre: Precondition,
+    fence: Fence, approval: Approval | None, ctx: ExecContext | ToolContext | None,
+) -> Outcome:  # fmt: skip
+    """An exec step (``ctx`` its :class:`ExecContext`) or a tool step (its :class:`ToolContext`)."""
+    if action.kind == EXEC and isinstance(ctx, ExecContext):
+        return execute(env, action, key, intent_digest, pre, fence, approval, ctx)
+    if action.kind == TOOL and isinstance(ctx, ToolContext):
+        return record_tool(env, action, key, intent_digest, pre, fence, approval, ctx)
+    raise GitrunError(f"a {action.kind} step needs its context")
 
 
 def execute(

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import pygit2
 
 from gitrun.adapter import shell
-from gitrun.adapter.exec_step import Streams, as_tree_changes
+from gitrun.adapter.exec_step import Streams, ToolContext, as_tree_changes
 from gitrun.adapter.gate import normalise_path
 from gitrun.adapter.scancache import ScanCache
 from gitrun.app.opening import Options, lease_store, load_verified, open_run
@@ -182,16 +182,16 @@ class ToolRun:
     def record(self, call: ToolCall, observed: Streams | None) -> Receipt:
         """The worktree's whole change since the last step as ONE step under the call's
         key (a change the gate refuses: the worktree is put back and GateRejected)."""
-        self.rt.scan_cache = self.cache
-        self.rt.observed = Streams(
+        streams = Streams(
             observed.stdout if observed else b"",
             observed.stderr if observed else b"",
             [*(observed.trailers if observed else []), *call.trailers()],
         )
+        self.rt.tool = ToolContext(self.rt.gate, streams, self.cache)
         try:
             return self._step(call.action(), call.key)
         finally:
-            self.rt.observed = None
+            self.rt.tool = ToolContext(self.rt.gate, None, self.cache)
 
     def _step(self, action: Action, key: str) -> Receipt:
         """One gated step under ``key`` (its receipt again when the key is recorded with
@@ -266,7 +266,7 @@ def opened_run(run_id: str, opts: Options) -> Iterator[ToolRun]:
         if rt.state.phase not in TERMINAL and rt.state.phase != NEEDS_REVIEW:
             reconcile(rt, dirty_ok=True)
         cache = ScanCache.load(Path(rt.env.wt.path) / SCAN_CACHE_FILE)
-        rt.scan_cache = cache
+        rt.tool = ToolContext(rt.gate, None, cache)
         if rt.state.phase == RUNNING and rt.state.pending is not None:
             rt.execute_pending()  # a pending step a killed hook left: recorded once, its key
         yield ToolRun(rt, agent, cache)

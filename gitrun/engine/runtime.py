@@ -19,10 +19,9 @@ import pygit2
 
 from gitrun.adapter import sandbox
 from gitrun.adapter.environment import Approval, Environment, Observation
-from gitrun.adapter.exec_step import ExecContext, ExecRefused, Streams, ToolContext
+from gitrun.adapter.exec_step import ExecContext, ExecRefused, ToolContext
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import CommandCannotStart, Confinement
-from gitrun.adapter.scancache import ScanCache
 from gitrun.adapter.shell import Hidden
 from gitrun.core import faults
 from gitrun.core import machine as m
@@ -68,8 +67,7 @@ class Runtime:
     secrets: Secrets = field(default_factory=Secrets)  # hidden from the code under test
     abandoned: GateRejected | None = None  # why the last pending action was dropped (sessions)
     output_log: Path | None = None  # where the verifier keeps the test command's output
-    observed: Streams | None = None  # what the outside tool of a pending tool step reported
-    scan_cache: ScanCache | None = None  # what a tool step's scan may skip
+    tool: ToolContext | None = None  # a tool step's: what the tool reported, the scan cache
 
     def __post_init__(self) -> None:
         self._segment_start = time.time()
@@ -235,11 +233,8 @@ class Runtime:
         """Execute: one write with the intent's key under the lease, then its receipt."""
         p, grant = effect.pending, effect.grant
         approval = None if grant is None else Approval(grant.fingerprint, grant.expires_at)
-        shell: ExecContext | ToolContext | None = None
-        if p.action.kind == EXEC:
-            shell = self.exec_context()
-        elif p.action.kind == TOOL:
-            shell = ToolContext(self.gate, self.observed, self.scan_cache)
+        tool = (self.tool or ToolContext(self.gate)) if p.action.kind == TOOL else None
+        shell = self.exec_context() if p.action.kind == EXEC else tool
         if shell is not None:
             self.land()  # a command's intent is durable before it starts
         lead = self.rider.prepared.lead if self.rider.prepared is not None else None

@@ -174,6 +174,29 @@ def claude_env(opts: Options) -> dict[str, str]:
     return env
 
 
+def launch(started: Started, opts: Options, claude_bin: str, args: list[str], *, dry: bool) -> None:
+    """Start ``claude --settings FILE ARGS`` in the run's worktree, replacing this process
+    (``dry``: print the command line instead)."""
+    import shlex
+
+    argv = [claude_bin, "--settings", str(started.settings), *args]
+    sys.stderr.write(f"run {started.run_id}: worktree {started.worktree}\n")
+    sys.stderr.write(f"settings {started.settings}\n")
+    if dry:
+        print(f"cd {shlex.quote(str(started.worktree))} && {shlex.join(argv)}")
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir(started.worktree)
+    try:
+        os.execvpe(claude_bin, argv, claude_env(opts))  # noqa: S606 - an argv, no shell
+    except OSError as exc:
+        raise BadInput(
+            f"cannot start Claude Code ({claude_bin}): {exc.strerror}; install it "
+            "(npm install -g @anthropic-ai/claude-code) or pass --claude PATH"
+        ) from exc
+
+
 # -- hooks ----------------------------------------------------------------------------
 
 
