@@ -217,16 +217,21 @@ def _wait_for(path: Path, seconds: float) -> None:
         time.sleep(0.05)
 
 
-def kill_session(sid: int) -> None:
-    """SIGKILL every process of session ``sid`` (by id, read from /proc)."""
+def descendants(root: int) -> list[int]:
+    """Every process below ``root`` now (read from /proc's parent links), by id."""
+    parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if int(fields[3]) == sid:  # field 6 of stat: the session id
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(stat.parent.name), signal.SIGKILL)
+        parents.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _session_id(repo: Path, run: str) -> str:
@@ -251,10 +256,13 @@ def test_claude_killed_mid_bash_has_its_change_recorded_once_and_resume_goes_on_
         try:
             _wait_for(wt / "half.txt", 120)
             time.sleep(0.3)
-            os.killpg(proc.pid, signal.SIGKILL)  # Claude Code and all it started
+            below = descendants(proc.pid)  # Claude Code runs Bash in a session of its own
+            os.killpg(proc.pid, signal.SIGKILL)  # Claude Code's process group
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         finally:
             proc.wait(30)
-    kill_session(proc.pid)  # what Claude Code's Bash started in its own process group
     session_id = _session_id(repo, "k1")
     assert [s["Gitrun-Tool"] for s in receipts(repo, "k1")] == ["Write"]
     # Resumed: the session start records the killed call's change under its own key, once.
