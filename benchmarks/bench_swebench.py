@@ -3,7 +3,8 @@
 The dataset is the bundled one (tests/data/swebench) repeated: each sandbox instance
 copied under several instance ids, so N instances are N gitrun runs. The bare work is
 what an instance minimally needs: ``git worktree add`` at the base, ``git apply`` of the
-prediction and the test patch, and the same test command (same venv, same JUnit option).
+prediction and the test patch, and the same test command (same venv, the same test
+directives, ``-rA`` and JUnit option).
 Environments are built before timing (a warm cache), for both.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -51,7 +53,8 @@ def _bare(tmp: Path, dataset: Path, env: dict[str, str], env_bin: dict[str, str]
         for patch in (rec["patch"], rec["test_patch"]):
             subprocess.run(["git", "-C", str(wt), "apply", "-"], input=patch.encode(),
                            check=True, env=env)  # fmt: skip
-        script = f'export PATH={env_bin[rec["repo"]]}:"$PATH"\n{TEST_CMD} "$@"'
+        tests = " ".join(re.findall(r"diff --git a/.* b/(.*)", rec["test_patch"]))
+        script = f'export PATH={env_bin[rec["repo"]]}:"$PATH"\n{TEST_CMD} {tests} -rA "$@"'
         argv = ["bash", "-c", script, "x", f"--junitxml={tmp}/j{n}.xml", "-p", "no:cacheprovider"]
         subprocess.run(argv, cwd=wt, env=env, capture_output=True, check=False)
         times.append(time.perf_counter() - start)

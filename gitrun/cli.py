@@ -18,18 +18,19 @@ from typing import Annotated
 import typer
 from typer._click.exceptions import ClickException  # typer vendors click; not re-exported
 
+from gitrun import cli_view
 from gitrun.app import service, swebench
+from gitrun.app.inputs import stdin_patch_spec
 from gitrun.app.opening import cli_options
 from gitrun.app.reports import approval_text, review_text, ttl_seconds
 from gitrun.app.workspace import Workspace
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.records import DONE, RunState
-from gitrun.entry import status_text
+from gitrun.entry import leave, output_closed, pipe_closed, status_text
 from gitrun.integrations import claude_cli
 
 app = typer.Typer(
-    add_completion=False,
     no_args_is_help=True,
     help="gitrun: durable, exactly-once steps for code-editing agents, with git as the store.",
 )
@@ -39,6 +40,10 @@ keys_app = typer.Typer(
     no_args_is_help=True, help="Approver/reviewer keys and the checkpoint keyring."
 )
 review_app = typer.Typer(no_args_is_help=True, help="Review a run frozen by a receipt conflict.")
+
+
+app.callback()(cli_view.top)
+keys_app.command("export-allowed-signers")(cli_view.export_allowed_signers)
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(debug_app, name="debug")
 app.add_typer(keys_app, name="keys")
@@ -123,7 +128,8 @@ def run(
         Path | None, typer.Option("--repo", help="Run on this repository (its HEAD).")
     ] = None,
     agent: Annotated[
-        str, typer.Option("--agent", help="plan, plan:FILE, patch:FILE or cmd:COMMAND.")
+        str,
+        typer.Option("--agent", help="plan, plan:FILE, patch:FILE (- for stdin) or cmd:COMMAND."),
     ] = "plan",
     run_id: Annotated[
         str | None,
@@ -145,6 +151,7 @@ def run(
     """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
     opts = _options(workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots,
                     isolation, remote)  # fmt: skip
+    agent = stdin_patch_spec(agent, opts.workspace.root)  # patch:- reads standard input
     _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=agent, run_id=run_id))
 
 
@@ -389,31 +396,50 @@ def review_decide(
 
 @app.command("swebench")
 def swebench_cmd(
-    dataset: Annotated[Path, typer.Option("--dataset", help="Instances: JSON or JSONL.")],
-    predictions: Annotated[str, typer.Option("--predictions", help="JSON/JSONL, or gold.")],
+    dataset: Annotated[Path, typer.Option("--dataset", help="Instances: JSON/JSONL, - stdin.")],
+    predictions: Annotated[str, typer.Option("--predictions", help="JSON/JSONL, - stdin, gold.")],
     repos: Annotated[Path, typer.Option("--repos", help="DIR/owner__name or DIR/owner/name.")],
     run_id: Annotated[str, typer.Option("--run-id", help="The batch's run id (resumable).")],
     workers: Annotated[int, typer.Option("--max-workers", min=1)] = 1,
-    ids: Annotated[list[str] | None, typer.Option("--instance-ids")] = None,
+    ids: Annotated[
+        list[str] | None,
+        typer.Option("--instance-ids", help="IDs: space- or comma-separated, or repeated."),
+    ] = None,
     report_dir: Annotated[Path, typer.Option("--report-dir")] = Path(),
     as_json: JsonOpt = False,
     workspace: WorkspaceOpt = None,
     key_file: KeyFileOpt = None,
     remote: RemoteOpt = None,
     lease_seconds: LeaseOpt = 30.0,
+    html: Annotated[Path | None, typer.Option("--html", help="Also write the batch page.")] = None,
 ) -> None:
     """Evaluate SWE-bench predictions, one gitrun run per instance."""
     req = swebench.Request(dataset, predictions, repos, run_id, workers, ids, report_dir,
                            remote=remote, lease_seconds=lease_seconds)  # fmt: skip
     report = swebench.run_batch(req, workspace, key_file, None if as_json else _say)
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
+    if html is not None:  # the batch page, from the files the batch just wrote
+        line = cli_view.batch_html(report_dir, run_id, html, _options(workspace, key_file))
+        typer.echo(line, err=as_json)
+    for line in report["error_lines"]:  # one line per kind; any error: exit 1
+        typer.echo(f"gitrun: {line}", err=True)
+    if report["error_lines"]:
+        raise typer.Exit(int(Exit.FAILED))
+
+
+app.command("report")(cli_view.report)  # after swebench: the order --help lists them
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every user error is one line and a distinct exit code."""
     command = typer.main.get_command(app)
+    args = swebench.spread_ids(sys.argv[1:] if argv is None else argv)
     try:
-        code = command.main(args=argv, prog_name="gitrun", standalone_mode=False)
+        code = command.main(args=args, prog_name="gitrun", standalone_mode=False)
+    except (BrokenPipeError, SystemExit) as exc:
+        if not pipe_closed(exc):
+            raise
+        leave(output_closed())
     except ClickException as exc:
         typer.echo(f"gitrun: {exc.format_message()}", err=True)
         sys.exit(int(Exit.BAD_INPUT))
@@ -433,4 +459,4 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(int(Exit.INTERNAL))
     if code == Exit.INTERRUPTED:  # typer turns Ctrl-C into a silent exit 130
         typer.echo("gitrun: interrupted; resume with `gitrun resume RUN_ID`", err=True)
-    sys.exit(int(code or 0) if isinstance(code, int) else 0)
+    leave(int(code or 0) if isinstance(code, int) else 0)

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from gitrun.app.status import LeaseStatus, RunStatus, UnreadableLease
@@ -44,11 +44,25 @@ COMMANDS = (
     ("rm", "Remove a run: worktree, branch, refs and records; git gc then frees its objects."),
     ("approve", "Show the action waiting for approval and sign an approval bound to exactly it."),
     ("swebench", "Evaluate SWE-bench predictions, one gitrun run per instance."),
+    ("report", "Write a run (or a SWE-bench batch) as one self-contained HTML page."),
     ("checkpoint", "Verify checkpoints."),
     ("debug", "Debugging aids."),
     ("keys", "Approver/reviewer keys and the checkpoint keyring."),
     ("review", "Review a run frozen by a receipt conflict."),
 )
+OPTIONS = (
+    ("--version", "Print gitrun's version and exit."),
+    ("--install-completion", "Install completion for the current shell."),
+    (
+        "--show-completion",
+        "Show completion for the current shell, to copy it or customize the installation.",
+    ),
+    ("--help", "Show this message and exit."),
+)
+# Below this width rich squeezes the options' names (``--install-complet…``): narrower
+# terminals get their help from the Typer app itself.
+FAST_HELP_MIN_WIDTH = 59
+COMPLETE_VAR = "_GITRUN_COMPLETE"
 STATUS_OPTIONS = {"--workspace": "workspace", "--key-file": "key_file"}
 
 
@@ -89,7 +103,7 @@ def help_text() -> str:
     for paragraph in ("Usage: gitrun [OPTIONS] COMMAND [ARGS]...", DESCRIPTION):
         lines += [f" {line}".ljust(width) for line in textwrap.wrap(paragraph, width - 2)]
         lines.append(blank)
-    lines += _box("Options", [("--help        <bool>", "Show this message and exit.")], width)
+    lines += _box("Options", [(f"{name:<28}<bool>", text) for name, text in OPTIONS], width)
     lines += _box("Commands", list(COMMANDS), width)
     return "\n".join(lines) + "\n\n"
 
@@ -182,6 +196,8 @@ def guarded(fn: Callable[[], int]) -> int:
         internal = "internal error: " if exc.exit_code == Exit.INTERNAL else ""
         print(f"gitrun: {internal}{exc}", file=sys.stderr)
         return int(exc.exit_code)
+    except BrokenPipeError:
+        return output_closed()
     except KeyboardInterrupt:
         print("gitrun: interrupted; resume with `gitrun resume RUN_ID`", file=sys.stderr)
         return 130
@@ -195,22 +211,63 @@ def guarded(fn: Callable[[], int]) -> int:
         return 70
 
 
+def output_closed() -> int:
+    """The reader of our output went away (``gitrun log RUN | head``): not an error.
+
+    Later writes and the interpreter's last flush go to /dev/null, so nothing more is
+    printed about it; the exit status is 0, as for ``cat`` under ``head``.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no stdout descriptor to replace
+        pass
+    return 0
+
+
+def pipe_closed(exc: BaseException) -> bool:
+    """``exc`` is a write to a closed pipe, or typer's exit 1 for one."""
+    if isinstance(exc, SystemExit):
+        return isinstance(exc.__context__, BrokenPipeError)
+    return isinstance(exc, BrokenPipeError)
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with ``code`` once what is printed is flushed; a closed reader exits 0."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = output_closed()
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: the fast answers here, everything else through the Typer app."""
     args = sys.argv[1:] if argv is None else argv
-    if args == ["--help"]:
-        sys.stdout.write(help_text())
-        sys.exit(0)
+    # A shell completion request (Typer's _GITRUN_COMPLETE) is the Typer app's to answer.
+    fast = COMPLETE_VAR not in os.environ
+    if fast and args == ["--version"]:
+        from gitrun import version_text  # the package itself: loaded already
+
+        leave(guarded(lambda: _print(version_text())))
+    if fast and args == ["--help"] and _width() >= FAST_HELP_MIN_WIDTH:
+        leave(guarded(lambda: _print(help_text(), end="")))
     if args[:1] == ["hook"]:  # Claude Code runs one per tool call: no Typer on this path
         from gitrun.integrations.claude_code import hook_main
 
         sys.exit(hook_main(args[1:]))
-    status = parse_status(args)
+    status = parse_status(args) if fast else None
     if status is not None:
         # A status process lives for milliseconds and makes no garbage cycles worth
         # collecting: the collector's passes over the objects imports make cost it ~3 ms.
         gc.disable()
-        sys.exit(guarded(lambda: _status(**status)))
+        leave(guarded(lambda: _status(**status)))
     from gitrun.cli import main as typer_main
 
     typer_main(args)
+
+
+def _print(text: str, end: str = "\n") -> int:
+    sys.stdout.write(text + end)
+    return 0

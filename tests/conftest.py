@@ -59,6 +59,9 @@ SANDBOX_NAMES = [n for n in _ALL if n not in RISKY_SANDBOXES]
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run the long soak variants")
+    parser.addoption(
+        "--screenshots", default=None, help="write the HTML report tests' screenshots here"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -17,7 +17,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "tests" / "data" / "swebench"
 OWNER = "gitrun-sandboxes"
-TEST_CMD = "python -m pytest -q tests"
+TEST_CMD = "pytest -rA tests"
+# The bundled repositories' spec entry, in the harness's vocabulary (the swebench package
+# knows nothing of them): the interpreter, pytest from PyPI, the test command, and the test
+# files the test patch touches appended to it. Their pytest config puts the tree on the
+# path, so nothing else is installed (tests/test_swebench.py installs them in one test).
+SPEC = {
+    "python": "3.11",
+    "pip_packages": ["pytest"],
+    "test_cmd": TEST_CMD,
+    "test_directives": True,
+}
 
 # name: (sandbox, test file the test_patch extends, extra test added, F2P, P2P)
 _SOURCES = {
@@ -95,6 +105,8 @@ def _record(name: str, base: str, gold: str, test_patch: str) -> dict[str, objec
         "patch": gold,
         "test_patch": test_patch,
         "problem_statement": tomllib.loads((box / "task.toml").read_text())["task"]["title"],
+        "hints_text": "",
+        "created_at": "2024-01-01T00:00:00Z",
         "version": "1",
         "environment_setup_commit": base,
         "FAIL_TO_PASS": json.dumps([*verifier["fail_to_pass"], f"{test_file}::{added}"]),
@@ -129,14 +141,7 @@ def bundle(tmp: Path) -> dict[str, str]:
     wrong = {n: wrong_patch(n, tmp, str(r["base_commit"])) for n, r in records.items()}
     return {
         "instances.jsonl": instances,
-        "specs.json": json.dumps(
-            {
-                f"{OWNER}/{n}": {"test_cmd": TEST_CMD, "pip_requirements": ["pytest"]}
-                for n in records
-            },
-            indent=2,
-            sort_keys=True,
-        )
+        "specs.json": json.dumps({f"{OWNER}/{n}": SPEC for n in records}, indent=2, sort_keys=True)
         + "\n",
         "preds-empty.jsonl": preds("empty-model", dict.fromkeys(records, "")),
         "preds-wrong.jsonl": preds("wrong-model", wrong),

@@ -197,7 +197,8 @@ def test_a_bash_call_writing_a_forbidden_path_is_undone_and_the_model_told_why(
     said = script.results()
     shown = script.conversation()  # a PostToolUse block reaches the model as a system text
     assert "gitrun undid this Bash call's change (rule path-forbidden)" in shown
-    assert "discarded: fine.txt, secrets/key" in shown
+    # a directory the tree lacks is removed whole, unread, and named as one (shell.restore)
+    assert "discarded: fine.txt, secrets/)" in shown
     assert "gitrun refused this call (rule exec-denied)" in said[1]
     assert "gitrun refused this call (rule path-forbidden)" in said[2]
     # Only the allowed write is a receipt; the refused change is gone from the worktree.

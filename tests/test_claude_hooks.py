@@ -120,3 +120,31 @@ def test_an_edit_outside_the_worktree_is_blocked_before_it_runs(
     dotgit = hook(ws, "pre-tool-use", "Edit", "toolu_dotgit_01", edit)
     assert dotgit.returncode == 2, dotgit.stderr
     assert subjects(repo) == []
+
+
+@pytest.mark.parametrize(
+    ("plant", "rule"),
+    [
+        (lambda wt: (wt / "sub" / ".git").mkdir(parents=True), "exec-dotgit"),
+        (lambda wt: os.link(wt / "a.txt", wt / "b.txt"), "exec-hard-link"),
+    ],
+    ids=["nested-dotgit", "hard-link"],
+)
+def test_a_tool_calls_change_meets_the_exec_steps_output_checks(
+    run: tuple[Path, Path, Path], plant: object, rule: str
+) -> None:
+    """A Bash call's change is checked exactly as an exec step's output: a planted .git,
+    a hard link are undone, the rule named to the model, nothing committed."""
+    ws, repo, wt = run
+    before = subjects(repo)
+    key = "toolu_hostile_call"
+    pre = hook(ws, "pre-tool-use", "Bash", key, {"command": "true"})
+    assert pre.returncode == 0, pre.stderr
+    assert callable(plant)
+    plant(wt)
+    post = hook(ws, "post-tool-use", "Bash", key, {"command": "true"})
+    assert f"rule {rule}" in post.stdout.decode(), (post.returncode, post.stdout, post.stderr)
+    assert subjects(repo) == before
+    assert sorted(p.name for p in wt.iterdir()) == [".git", "a.txt"]
+    call(ws, "toolu_next_call", lambda: (wt / "a.txt").write_text("next\n"))  # not wedged
+    assert git(repo, "show", "gitrun/c1:a.txt") == "next\n"

@@ -163,7 +163,7 @@ class Baseline:
     execs: int = 0  # how many of the writes are exec steps (no file sync; a command runs)
 
     def passes(self, point: str) -> int:  # noqa: PLR0911 - one return per kind of point
-        """How often an uninterrupted run reaches ``point`` (the step protocol, DESIGN.md §3)."""
+        """How often an uninterrupted run reaches ``point`` (docs/design.md §6)."""
         if point.startswith("setup_"):
             return 1  # once per run, before its first checkpoint
         if point == "before_propose":

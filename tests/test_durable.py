@@ -28,8 +28,8 @@ from conftest import SANDBOXES, Gitrun, git
 from gitrun.core import faults
 from gitrun.store import journal, journal_format
 
-REC = journal_format._REC  # a record's header, as the journal writes it
-REC_MAGIC = journal_format._REC_MAGIC
+REC = journal_format.REC  # a record's header, as the journal writes it
+REC_MAGIC = journal_format.REC_MAGIC
 
 STRACE = shutil.which("strace")
 needs_strace = pytest.mark.skipif(STRACE is None, reason="strace is not installed")

@@ -201,7 +201,8 @@ def test_the_command_cannot_read_the_keyring_or_see_gitrun_variables(
     keyring = gitrun.home / "keys" / "checkpoint.keyring"
     command = (
         f"cat {keyring} > geometry/leak.txt 2>&1; ls -a {gitrun.home} > geometry/home.txt 2>&1; "
-        "env > geometry/env.txt; git status > geometry/git.txt 2>&1; true"
+        "env > geometry/env.txt; git status > geometry/git.txt 2>&1; "
+        f"ls -a {gitrun.repo('rename-api')}/.git > geometry/common.txt 2>&1; true"
     )
     table = 'allow = ["*"]\nenv = ["PASSED_THROUGH"]'
     task = task_with(sandbox_copy, [{"command": command}], exec_table=table)
@@ -219,7 +220,10 @@ def test_the_command_cannot_read_the_keyring_or_see_gitrun_variables(
     assert not [name for name in env if name.startswith("GITRUN_")]
     assert "s3cret" not in (wt / "env.txt").read_text()
     assert "runs" not in (wt / "home.txt").read_text()  # the workspace is hidden
-    assert "fatal" in (wt / "git.txt").read_text()  # the common git dir is hidden too
+    # the common git dir is hidden too: git works on the step's own view (test_gitview.py),
+    # which shows the object store read-only and nothing else of it (no refs, config, hooks)
+    assert (wt / "git.txt").read_text().startswith(f"On branch gitrun/{RUN}\n")
+    assert (wt / "common.txt").read_text().split() == [".", "..", "objects", "worktrees"]
 
 
 def test_chmod_and_symlinks_made_by_the_command_are_captured(

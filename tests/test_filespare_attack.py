@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gitrun.adapter import filespare, safefs
-from gitrun.store import spares
+from gitrun.store import oslock, refmove
 
 
 def dirs(tmp_path: Path) -> tuple[Path, Path, str]:
@@ -41,7 +41,7 @@ def swapped_after_probe(
     monkeypatch: pytest.MonkeyPatch, spare: str, swap: Callable[[str], None]
 ) -> None:
     """The racer wins: right after gitrun's probe of the spare, ``swap`` replaces it."""
-    real = spares.unshared
+    real = oslock.unshared
 
     def probe(name: str, dir_fd: int | None = None) -> bool:
         found = real(name, dir_fd)
@@ -185,7 +185,7 @@ def test_a_ref_spare_swapped_for_a_fifo_after_its_probe_does_not_hang_the_lock(
     held, so every other writer of the ref waited 30 s and exited 4."""
     spare, lock = tmp_path / "spare", tmp_path / "ref.lock"
     spare.write_bytes(b"0" * 40 + b"\n")
-    real = spares.unshared
+    real = oslock.unshared
 
     def probe(name: str, dir_fd: int | None = None) -> bool:
         found = real(name, dir_fd)
@@ -193,10 +193,10 @@ def test_a_ref_spare_swapped_for_a_fifo_after_its_probe_does_not_hang_the_lock(
         os.mkfifo(spare)
         return found
 
-    monkeypatch.setattr(spares, "unshared", probe)
+    monkeypatch.setattr(refmove, "unshared", probe)
     unblock_later(lambda: str(lock) if lock.exists() else None, 3.0)
     start = time.monotonic()
-    fd = spares.take_lock(lock, str(spare), 41)
+    fd = refmove.take_lock(lock, str(spare), 41)
     took = time.monotonic() - start
     assert fd is not None
     try:

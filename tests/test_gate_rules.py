@@ -318,3 +318,14 @@ def test_a_patch_is_parsed_and_applied_once_per_tree_and_rules_still_run_every_t
     r.check_action(action, DictTree(TREE_FILES), None)  # no id: never memoised
     r.check_action(action, DictTree(TREE_FILES), None)
     assert calls == {"parse": 1, "apply": 4}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["src/.gitmodules", "src/.GITMODULES", "src/GITMOD~1", "src/gi7eba~9", "src/.gitmodules ."],
+)
+def test_a_gitmodules_symlink_is_refused_as_git_refuses_it(name: str) -> None:
+    """git's verify_path refuses a .gitmodules symlink under every NTFS/HFS+ alias."""
+    exc = reject(link_patch(name, "app.py"), rules(allow_symlinks=True))
+    assert exc.rule == "path-git-dir", exc
+    assert rules(allow_symlinks=True).check_action(write(name), TREE_VIEW, DISK).path == name

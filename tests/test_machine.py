@@ -3,7 +3,7 @@
 No git and no clock: every test drives ``gitrun.core.machine.transition`` with events and
 checks the next state and the effects the runtime would perform. The stateful test
 (``RunMachine``) sends arbitrary event sequences, illegal ones included, through a
-model adapter and checks the invariants of DESIGN.md §3/§5/§6 after every step.
+model adapter and checks the invariants of docs/design.md §4, §6, §7 after every step.
 """
 
 from __future__ import annotations

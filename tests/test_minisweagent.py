@@ -5,6 +5,7 @@ submit the verifier; SIGKILL of gitrun mid-run resumes to the uninterrupted tree
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import sys
@@ -32,7 +33,7 @@ COMMANDS = [
     SED + "geometry/__init__.py geometry/report.py geometry/totals.py",
     "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
 ]
-KEYS = ["mini-00002", "mini-00003"]  # the refused grep used key 1 and committed nothing
+KEYS = ["mini-00002", "mini-00003"]  # the refused grep was position 1 and committed nothing
 # A gitrun CLI that dies by SIGKILL at one fault point the first time it is started only.
 CRASH_ONCE = """import os, sys
 marker, point = sys.argv[1], sys.argv[2]
@@ -67,12 +68,15 @@ def solve(
 
 
 def branch(workspace: Path) -> tuple[list[str], str]:
-    """The idempotency keys on gitrun/mini (oldest first) and its tree."""
+    """The idempotency keys on gitrun/mini (oldest first, as PREFIX-POSITION: the chained
+    digest that ends each key cut off) and its tree."""
     repo = workspace / "repos" / "rename-api"
     log = git(repo, "log", "--reverse", "--format=%(trailers:key=Gitrun-Idempotency-Key,valueonly)",
               "gitrun/mini")  # fmt: skip
     tree = git(repo, "rev-parse", "gitrun/mini^{tree}").strip()
-    return [line for line in log.splitlines() if line.strip()], tree
+    keys = [line.strip() for line in log.splitlines() if line.strip()]
+    assert all(re.fullmatch(r"mini-[0-9]{5}-[0-9a-f]{16}", k) for k in keys), keys
+    return [k.rsplit("-", 1)[0] for k in keys], tree
 
 
 @pytest.fixture(scope="module")

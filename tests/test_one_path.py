@@ -1,13 +1,22 @@
-"""One way to do each of two things: write a durable file, and build a runtime."""
+"""One way to do each of two things: write a durable file, and build a runtime.
+
+Every rename or link of durable state in the whole package is in the one atomic file
+path (``store/atomicfile.py``) or the one ref move (``store/refmove.py``); only the
+worktree writers rename files synced from git (docs/design.md §3, §5)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
-# The agent's worktree and the verifier's tree copy are synced from git, not durable state.
-WORKTREE_WRITERS = {"atomicfile.py", "safefs.py", "materialise.py"}
+# The one atomic path for files (outside git's refs and objects), and the one ref move
+# (objects published from the stage, a ref's lock renamed over it, its spare kept).
+WRITE_PATHS = {"store/atomicfile.py", "store/refmove.py"}
+# The agent's worktree (and the spare of each file it replaces) and the verifier's tree
+# copy are synced from git, not durable state.
+WORKTREE_WRITERS = {"adapter/safefs.py", "adapter/filespare.py", "adapter/materialise.py"}
 # Path.replace/rename are not told from str.replace here; os.* and the Path writers are.
 WRITES = {"os.replace", "os.rename", "os.link", "shutil.move", ".write_text", ".write_bytes"}
 
@@ -34,14 +43,25 @@ def _calls(path: Path) -> list[tuple[str, str, int]]:
 
 
 def test_every_durable_file_gitrun_writes_goes_through_the_one_atomic_path() -> None:
+    package = ROOT / "gitrun"
     stray = [
-        f"{path.name}:{line} {name}() in {where}"
-        for path in sorted((ROOT / "gitrun").glob("*.py"))
-        if path.name not in WORKTREE_WRITERS
+        f"{path.relative_to(package)}:{line} {name}() in {where}"
+        for path in sorted(package.rglob("*.py"))
+        if path.relative_to(package).as_posix() not in WRITE_PATHS | WORKTREE_WRITERS
         for name, where, line in _calls(path)
         if name in WRITES
     ]
     assert not stray, "write through gitrun.store.atomicfile instead:\n" + "\n".join(stray)
+
+
+def test_the_one_path_check_walks_every_layer_of_the_package() -> None:
+    """A rename in a module of any layer is found (the check once read only the top)."""
+    found = {
+        path.parent.name
+        for path in (ROOT / "gitrun").rglob("*.py")
+        if any(name in WRITES for name, _, _ in _calls(path))
+    }
+    assert {"store", "adapter"} <= found
 
 
 def test_every_runtime_is_built_by_its_one_factory() -> None:
@@ -57,3 +77,22 @@ def test_every_runtime_is_built_by_its_one_factory() -> None:
         if name in {"Runtime", ".Runtime"}
     }
     assert builds <= factories, f"Runtime(...) built outside its factory: {builds - factories}"
+
+
+def test_the_exec_start_mark_never_writes_through_a_link_planted_at_a_temp_name(
+    tmp_path: Path,
+) -> None:
+    """The mark an exec step leaves in the worktree's git dir (within the agent's reach)
+    once went through a fixed temp name opened with ``O_TRUNC``: a link planted there
+    had the user's file it named truncated and overwritten. Now it takes the one path."""
+    from gitrun.adapter import exec_step
+
+    victim = tmp_path / "victim"
+    victim.write_text("the user's file")
+    gitdir = tmp_path / "worktree-gitdir"
+    gitdir.mkdir()
+    (gitdir / f"{exec_step.STARTED_FILE}.tmp").symlink_to(victim)
+    env = SimpleNamespace(wt=SimpleNamespace(path=str(gitdir)))
+    exec_step._mark_started(env, "k-1")  # type: ignore[arg-type]
+    assert victim.read_text() == "the user's file"
+    assert exec_step.may_have_started(env, "k-1")  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import remote_helpers
-from conftest import SANDBOXES, Gitrun
+from conftest import SANDBOXES, Gitrun, git
 from helpers import one_line, stopped
 from remote_helpers import Daemon, hermetic_git
 
@@ -132,9 +132,10 @@ def test_machine_b_needs_the_shared_keyring_and_registers_nothing_without_it(
     a, b = machines.cli("a"), machines.cli("b")
     take = ["run", str(FIX_MEDIAN), "--run-id", "r4", "--remote", machines.url]
     crash = {"GITRUN_CRASH_AT": "after_file_sync", **FAST}
-    killed = a.run([*take, "--lease-seconds", "1", *machines.args("a")], crash)
+    # 3 s: long enough for A to reach its crash point on a loaded machine (1 s expired first)
+    killed = a.run([*take, "--lease-seconds", "3", *machines.args("a")], crash)
     assert killed.code == -9, killed.err
-    time.sleep(1.2)  # A's lease expires: from another machine A cannot be known dead
+    time.sleep(3.2)  # A's lease expires: from another machine A cannot be known dead
     where = ["--workspace", str(machines.tmp / "b")]
     missing = b.run([*take, *where, "--key-file", str(machines.tmp / "none.keyring")], FAST)
     assert missing.code == Exit.BAD_INPUT, missing.err
@@ -158,3 +159,24 @@ def test_the_workspace_config_remote_is_the_default_for_new_runs(machines: Machi
     done = a.run(["run", str(FIX_MEDIAN), "-q", "--run-id", "r5", *machines.args("a")], FAST)
     assert done.code == Exit.DONE, done.err
     assert machines.writes_on_remote("r5")
+
+
+def test_a_bad_local_ref_is_named_as_such_not_as_remote_unavailable(machines: Machines) -> None:
+    """A ref git cannot read in the local repository (issue #27 §6: one made by hand, or
+    by an older gitrun from a key like 'abcdefgh.') is the cause the refusal names."""
+    a = machines.cli("a")
+    first = a.run(["run", str(FIX_MEDIAN), "-q", "--run-id", "r5", "--remote", machines.url,
+                   *machines.args("a")], FAST)  # fmt: skip
+    assert first.code == Exit.DONE, first.err
+    repo = next((machines.tmp / "a" / "repos").iterdir())
+    bad = "refs/gitrun/runs/r5/receipts/abcdefgh."
+    tip = git(repo, "rev-parse", "HEAD").strip()
+    (repo / ".git" / bad).parent.mkdir(parents=True, exist_ok=True)
+    (repo / ".git" / bad).write_text(tip + "\n")
+    second = a.run(["run", str(FIX_MEDIAN), "-q", "--run-id", "r6", "--remote", machines.url,
+                    *machines.args("a")], FAST)  # fmt: skip
+    assert second.code == Exit.REFUSED, second.err
+    line = one_line(second.err)
+    assert bad in line
+    assert "unavailable" not in line
+    assert "update-ref -d" in line

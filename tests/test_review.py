@@ -465,3 +465,31 @@ def test_resuming_an_open_review_without_trust_roots_fails_closed(ws: Copy) -> N
     assert "--trust-roots" in line
     assert snapshot(ws.repo) == before
     assert ws.state().phase == NEEDS_REVIEW
+
+
+def test_the_html_report_shows_the_conflict_the_takeover_and_the_signed_decision(
+    template: Template, ws: Copy, tmp_path: Path
+) -> None:
+    from browser import parse
+
+    from gitrun.store.evidence import load_trust_roots
+
+    assert ws.decide("replan").code == 0
+    assert ws.resume().code == Exit.DONE
+    page = tmp_path / "rv.html"
+    res = ws.cli("report", RUN, "--html", str(page))
+    assert res.code == 0, res.err
+    doc = parse(page.read_text())
+    kinds = [n.attrs["data-kind"] for n in doc.walk() if "data-kind" in n.attrs]
+    assert kinds.index("receipt_conflict") < kinds.index("review_decision")
+    decision = doc.find(**{"data-kind": "review_decision"})[0].all_text()
+    bob = next(r.id for r in load_trust_roots(ws.keys.roots).values() if r.name == "bob")
+    assert "decisionreplan" in decision
+    assert f"signer{bob}" in decision
+    resumed = doc.find(**{"data-kind": "resume"})
+    assert any("interrupted" in n.attrs["class"].split() for n in resumed)  # the SIGKILL
+    conflict = next(
+        n for n in doc.find(**{"data-kind": "receipt"}) if "stats/notes.txt" in n.all_text()
+    )
+    assert "+not the fix" in conflict.all_text()
+    assert "SSH signatures good on" in doc.find(id="chain")[0].all_text()

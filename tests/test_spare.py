@@ -1,5 +1,5 @@
 """A ref move reuses the file its last move replaced as the ref's next ``.lock``
-(``<common dir>/gitrun/spare/``, :func:`gitrun.store.spares.take_lock`): no inode
+(``<common dir>/gitrun/spare/``, :func:`gitrun.store.refmove.take_lock`): no inode
 allocated, no block freed. An agent that can write the repository's git dir (an
 unconfined command) can plant anything there; each test plants it into a real run
 killed mid-way, resumes it with the real CLI, and checks the run ends like the

@@ -52,7 +52,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         yield env
 
 
-@pytest.mark.parametrize("columns", ["80", "57", "132"])
+@pytest.mark.parametrize("columns", ["80", "59", "58", "57", "132"])
 def test_help_is_the_typer_apps_help_byte_for_byte(finished: dict[str, str], columns: str) -> None:
     entry, typer = both({**finished, "COLUMNS": columns}, "--help")
     assert (entry.returncode, typer.returncode) == (0, 0)
@@ -113,7 +113,9 @@ def test_status_errors_are_the_typer_apps_one_line_and_exit_2(
     assert entry.stdout == typer.stdout == ""
 
 
-@pytest.mark.parametrize("args", [["--help"], ["status", "r1"], ["status", "r1", "--json"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["--version"], ["status", "r1"], ["status", "r1", "--json"]]
+)
 def test_help_and_status_load_no_typer_rich_or_cryptography(
     finished: dict[str, str], args: list[str]
 ) -> None:

@@ -43,13 +43,15 @@ def world(tmp_path: Path, envs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def batch(gitrun: Gitrun, world: Path, preds: str, *extra: str, run_id: str = "r1") -> Any:
+def batch(
+    gitrun: Gitrun, world: Path, preds: str, *extra: str, run_id: str = "r1", code: int = 0
+) -> Any:
     res = gitrun.run((
         "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", preds,
         "--repos", str(world / "repos"), "--run-id", run_id,
         "--report-dir", str(world / "out"), "--json", *extra,
     ), timeout=BATCH_SECONDS)  # fmt: skip
-    assert res.code == 0, res.err
+    assert res.code == code, res.err
     return json.loads(res.out)
 
 
@@ -88,7 +90,9 @@ def test_gold_resolves_every_instance_in_swebench_report_shapes(
 ) -> None:
     report = batch(gitrun, world, "gold")
     on_disk = json.loads((world / "out" / "gold.r1.json").read_text())
-    assert on_disk == {k: v for k, v in report.items() if k not in ("report_file", "line")}
+    assert on_disk == {
+        k: v for k, v in report.items() if k not in ("report_file", "line", "error_lines")
+    }
     assert on_disk["schema_version"] == 2
     assert (on_disk["total_instances"], on_disk["resolved_instances"]) == (2, 2)
     assert on_disk["resolved_ids"] == on_disk["completed_ids"] == IDS
@@ -96,7 +100,8 @@ def test_gold_resolves_every_instance_in_swebench_report_shapes(
     one = instance_report(world, "gold", MEDIAN)
     body = one[MEDIAN]
     assert set(body) == {
-        "patch_is_None", "patch_exists", "patch_successfully_applied", "resolved", "tests_status"
+        "patch_is_None", "patch_exists", "patch_successfully_applied", "resolved",
+        "infra_failure", "tests_status",
     }  # fmt: skip
     assert body["resolved"]
     assert body["patch_successfully_applied"]
@@ -106,10 +111,13 @@ def test_gold_resolves_every_instance_in_swebench_report_shapes(
     assert "tests/test_median.py::test_even_length_four" in f2p["success"]
     out_dir = world / "out" / "logs" / "run_evaluation" / "r1" / "gold" / MEDIAN
     output = (out_dir / "test_output.txt").read_text()
-    # the test command's own output (pytest's closing line), then gitrun's summary after it
-    said = re.search(r"^\d+ passed in [\d.]+s$", output, re.M)
+    # the test command's own output (pytest's closing line) between the harness's markers,
+    # its exit status after them, then gitrun's summary
+    said = re.search(r"^=+ \d+ passed in [\d.]+s =+$", output, re.M)
     assert said is not None, output
-    assert output.index("result: resolved") > said.end()
+    start, end = output.index(">>>>> Start Test Output"), output.index(">>>>> End Test Output")
+    assert start < said.start() < end < output.index(">>>>> Test Exit Code: 0")
+    assert output.index("result: resolved") > end
     assert json.loads((out_dir / "gitrun.json").read_text())["stage"] == "strict"
     # each instance: one gitrun run with exactly two receipts (prediction, test patch)
     assert list(receipts(world, "fix-median").values()) == [2]
@@ -135,7 +143,7 @@ def test_wrong_predictions_resolve_nothing(gitrun: Gitrun, world: Path) -> None:
     out_dir = world / "out" / "logs" / "run_evaluation" / "r1" / "wrong-model" / MEDIAN
     output = (out_dir / "test_output.txt").read_text()
     assert re.search(r"^FAILED tests/test_median.py::test_even_length", output, re.M), output
-    assert re.search(r"^\d+ failed, \d+ passed in ", output, re.M), output
+    assert re.search(r"^=+ \d+ failed, \d+ passed in ", output, re.M), output
 
 
 def _gold(iid: str) -> str:
@@ -163,14 +171,17 @@ def test_wrong_hunk_counts_are_applied_by_the_recount_stage_and_recorded_so(
 
 def test_a_patch_that_needs_fuzz_is_refused_and_never_applied(gitrun: Gitrun, world: Path) -> None:
     fuzzy = _gold(MEDIAN).replace("     mid = n // 2\n", "     mid = len(data) // 2\n")
-    report = batch(gitrun, world, preds_file(world, "p", {MEDIAN: fuzzy}), "--instance-ids", MEDIAN)
+    report = batch(
+        gitrun, world, preds_file(world, "p", {MEDIAN: fuzzy}), "--instance-ids", MEDIAN, code=1
+    )
     assert report["error_ids"] == [MEDIAN]
     assert report["resolved_instances"] == 0
-    body = instance_report(world, "m", MEDIAN)[MEDIAN]
-    assert body == {
-        "patch_is_None": False, "patch_exists": True,
-        "patch_successfully_applied": False, "resolved": False,
-    }  # fmt: skip
+    assert "patch did not apply" in report["gitrun_error_reasons"][MEDIAN]
+    # as the harness leaves it: no report.json (so its run report counts an error too),
+    # the reason in run_instance.log after its marker
+    where = world / "out" / "logs" / "run_evaluation" / "r1" / "m" / MEDIAN
+    assert sorted(p.name for p in where.iterdir()) == ["gitrun.json", "run_instance.log"]
+    assert ">>>>> Patch Apply Failed:" in (where / "run_instance.log").read_text()
     assert receipts(world, "fix-median") == {}  # no run, no write
 
 
@@ -337,16 +348,21 @@ def test_two_batch_commands_on_one_run_id_share_the_work_and_write_once(
         assert list(receipts(world, repo).values()) == [2]
 
 
-def test_an_environment_cache_under_tmp_is_refused_by_name(gitrun: Gitrun, world: Path) -> None:
+def test_an_environment_cache_under_tmp_is_refused_by_name_before_anything_runs(
+    gitrun: Gitrun, world: Path
+) -> None:
     res = gitrun(
         "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", "gold",
         "--repos", str(world / "repos"), "--run-id", "t", "--report-dir", str(world / "out"),
-        "--json", GITRUN_SWEBENCH_ENVS=str(world / "envs"),
+        "--json", GITRUN_SWEBENCH_ENVS=f"/tmp/gitrun-swe-envs-{world.name}",
     )  # fmt: skip
-    report = json.loads(res.out)
-    assert report["error_ids"] == IDS
-    why = world / "out" / "logs" / "run_evaluation" / "t" / "gold" / MEDIAN / "test_output.txt"
-    assert "lies under /tmp" in why.read_text()
+    assert not Path(f"/tmp/gitrun-swe-envs-{world.name}").exists()
+    assert res.code == 2
+    assert len(res.err.strip().splitlines()) == 1
+    assert "lies under /tmp" in res.err
+    assert "GITRUN_SWEBENCH_ENVS" in res.err
+    assert not (world / "out").exists()
+    assert receipts(world, "fix-median") == {}
 
 
 def test_a_bare_repository_is_run_in_a_shared_working_clone_and_left_unchanged(
@@ -370,6 +386,7 @@ def test_a_bare_repository_is_run_in_a_shared_working_clone_and_left_unchanged(
         ({"--dataset": "missing.jsonl"}, "no such file"),
         ({"--predictions": "bad.jsonl"}, "line 1 is not JSON"),
         ({"--instance-ids": "nope"}, "nope is not in"),
+        ({"--predictions": "stranger.jsonl"}, "instance nobody__nothing-1 is not in the dataset"),
         ({"spec": "gone"}, "no test_cmd in the record"),
     ],
 )
@@ -377,6 +394,8 @@ def test_bad_inputs_are_one_line_and_exit_2_with_nothing_run(
     gitrun: Gitrun, world: Path, change: dict[str, str], words: str
 ) -> None:
     (world / "bad.jsonl").write_text("{not json\n")
+    stranger = {"instance_id": "nobody__nothing-1", "model_name_or_path": "m", "model_patch": "x"}
+    (world / "stranger.jsonl").write_text(json.dumps(stranger) + "\n")
     if change.pop("spec", None):
         (world / "repos" / "gitrun-swebench.json").unlink()
     opts = {"--dataset": str(BUNDLE / "instances.jsonl"), "--predictions": "gold"}
@@ -388,3 +407,175 @@ def test_bad_inputs_are_one_line_and_exit_2_with_nothing_run(
     assert len(res.err.strip().splitlines()) == 1
     assert words in res.err
     assert receipts(world, "fix-median") == {}
+
+
+@pytest.mark.parametrize("form", ["spaces", "commas", "repeated"])
+def test_instance_ids_take_the_harness_form_and_the_repeated_one(
+    gitrun: Gitrun, world: Path, form: str
+) -> None:
+    ids = {
+        "spaces": ["--instance-ids", SLUG, MEDIAN],
+        "commas": ["--instance-ids", f"{SLUG},{MEDIAN}"],
+        "repeated": ["--instance-ids", SLUG, "--instance-ids", MEDIAN],
+    }[form]
+    report = batch(gitrun, world, str(BUNDLE / "preds-wrong.jsonl"), *ids)
+    assert report["unresolved_ids"] == IDS
+
+
+def test_a_batch_with_errors_exits_1_with_one_line_per_kind(gitrun: Gitrun, world: Path) -> None:
+    fuzzy = _gold(MEDIAN).replace("     mid = n // 2\n", "     mid = len(data) // 2\n")
+    broken = (
+        "diff --git a/nothing.py b/nothing.py\n--- a/nothing.py\n+++ b/nothing.py\n"
+        "@@ -1 +1 @@\n-a\n+b\n"
+    )
+    res = gitrun.run((
+        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"),
+        "--predictions", preds_file(world, "p", {MEDIAN: fuzzy, SLUG: broken}),
+        "--repos", str(world / "repos"), "--run-id", "e", "--report-dir", str(world / "out"),
+    ), timeout=BATCH_SECONDS)  # fmt: skip
+    assert res.code == 1, res.err
+    said = [x for x in res.err.splitlines() if x.startswith("gitrun: ")]
+    assert len(said) == 1, res.err
+    assert said[0].startswith("gitrun: 2 patch not applied error(s): "), said
+    assert MEDIAN in said[0]
+    assert SLUG in said[0]
+    assert "0/2 resolved, 0 empty, 2 errors" in res.out
+
+
+def _respec(world: Path, **change: Any) -> None:
+    """The spec file with ``change`` applied to every repository's entry."""
+    specs = json.loads((BUNDLE / "specs.json").read_text())
+    for spec in specs.values():
+        spec.update(change)
+    (world / "repos" / "gitrun-swebench.json").write_text(json.dumps(specs))
+
+
+def _gitrun_json(world: Path, iid: str, run_id: str = "r1", model: str = "gold") -> Any:
+    where = world / "out" / "logs" / "run_evaluation" / run_id / model / iid
+    assert not (where / "report.json").exists()  # an error: the harness counts it one too
+    return json.loads((where / "gitrun.json").read_text())
+
+
+def test_a_python_version_not_on_the_machine_is_an_infra_error_naming_it(
+    gitrun: Gitrun, world: Path
+) -> None:
+    _respec(world, python="3.1")
+    report = batch(gitrun, world, "gold", "--instance-ids", MEDIAN, code=1)
+    assert report["error_ids"] == [MEDIAN]
+    assert report["unresolved_ids"] == report["resolved_ids"] == []
+    assert report["infra_failure_ids"] == [MEDIAN]
+    assert report["failure_reasons"] == {MEDIAN: "environment"}
+    meta = _gitrun_json(world, MEDIAN)
+    assert meta["error_kind"] == "environment"
+    assert "python 3.1 is not available on this machine" in meta["reason"]
+    assert "python 3.1 is not available" in report["gitrun_error_reasons"][MEDIAN]
+
+
+def test_an_install_step_that_fails_is_an_infra_error_with_its_last_line(
+    gitrun: Gitrun, world: Path
+) -> None:
+    _respec(world, install="python -m pip install -e ./no-such-dir")
+    res = gitrun.run((
+        "swebench", "--dataset", str(BUNDLE / "instances.jsonl"), "--predictions", "gold",
+        "--repos", str(world / "repos"), "--run-id", "r1", "--report-dir", str(world / "out"),
+    ), timeout=BATCH_SECONDS)  # fmt: skip
+    assert res.code == 1, res.err
+    said = [x for x in res.err.splitlines() if x.startswith("gitrun: ")]
+    assert len(said) == 1
+    assert said[0].startswith("gitrun: 2 environment error(s): "), said
+    assert "environment step install failed (1)" in said[0]
+    reason = _gitrun_json(world, MEDIAN)["reason"]
+    assert "no-such-dir" in reason
+    assert "build.log" in reason
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+def test_a_test_command_that_writes_into_the_environment_is_an_infra_error_not_unresolved(
+    gitrun: Gitrun, world: Path
+) -> None:
+    """The harness's own specs re-run `install` inside the eval script; in gitrun the
+    environment is read-only to the tests, and the gold patch must not come out unresolved."""
+    # what an install step does: write into the venv (pip would fetch and build first)
+    install = "python -c 'import pathlib, sys; pathlib.Path(sys.prefix, \"x.pth\").touch()'"
+    _respec(world, test_cmd=f"{install} && pytest -rA tests")
+    report = batch(gitrun, world, "gold", "--instance-ids", MEDIAN, code=1)
+    assert report["error_ids"] == [MEDIAN]
+    assert report["infra_failure_ids"] == [MEDIAN]
+    meta = _gitrun_json(world, MEDIAN)
+    assert meta["error_kind"] == "read_only_write"
+    assert "Read-only file system" in meta["reason"]
+    assert "pre_install/install" in meta["reason"]
+
+
+def test_the_repository_is_installed_before_the_tests_and_the_tested_tree_shadows_it(
+    gitrun: Gitrun, world: Path, envs: Path
+) -> None:
+    """`install` runs once, before the tests, in a copy at the base commit (which has the
+    bug): the distribution is installed, yet the gold patch resolves, so the tests import
+    the tested tree, not the installed copy."""
+    probe = "python -c 'import importlib.metadata as m; m.version(\"stats\")' && pytest -rA tests"
+    _respec(world, install="python -m pip install -e .", test_cmd=probe)
+    report = batch(gitrun, world, "gold", "--instance-ids", MEDIAN)
+    assert report["resolved_ids"] == [MEDIAN]
+
+    def installed() -> list[Any]:
+        built = [json.loads(m.read_text()) for m in envs.glob("*/gitrun-env.json")]
+        return [b for b in built if b["install"]]
+
+    assert len(installed()) == 1
+    assert installed()[0]["tree"]  # keyed by the base tree it installed
+    wrong = json.loads((BUNDLE / "preds-wrong.jsonl").read_text().splitlines()[0])
+    report = batch(gitrun, world, preds_file(world, "w", {MEDIAN: wrong["model_patch"]}),
+                   "--instance-ids", MEDIAN, run_id="r2")  # fmt: skip
+    assert report["unresolved_ids"] == [MEDIAN]
+    assert len(installed()) == 1  # the same base: the environment is not built again
+
+
+def test_the_spec_python_is_the_interpreter_the_tests_run_on(gitrun: Gitrun, world: Path) -> None:
+    probe = "python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' && pytest -rA tests"
+    _respec(world, test_cmd=probe)
+    assert batch(gitrun, world, "gold")["resolved_ids"] == IDS
+
+
+def test_a_swebench_5_row_runs_its_eval_scripts_test_command_in_the_specs_environment(
+    gitrun: Gitrun, world: Path
+) -> None:
+    """A 5.x row carries the harness's eval script: its test command (between the markers)
+    is run, in the environment the spec entry builds."""
+    rows = []
+    for line in (BUNDLE / "instances.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        named = json.loads(rec["FAIL_TO_PASS"]) + json.loads(rec["PASS_TO_PASS"])
+        tests = " ".join(sorted({t.split("::")[0] for t in named}))
+        rec["eval_script"] = "\n".join([
+            "#!/bin/bash", "set -uxo pipefail", "source /opt/miniconda3/bin/activate",
+            "conda activate testbed", "cd /testbed", f"git checkout {rec['base_commit']} {tests}",
+            ": '>>>>> Start Test Output'", f"pytest -rA {tests}",
+            ": '>>>>> End Test Output'", f"git checkout {rec['base_commit']} {tests}",
+        ])  # fmt: skip
+        rec |= {"image": "none", "log_parser": "parse_log_pytest", "eval_type": "pass_and_fail"}
+        rows.append(json.dumps(rec))
+    dataset = world / "v5.jsonl"
+    dataset.write_text("\n".join(rows) + "\n")
+    res = gitrun.run((
+        "swebench", "--dataset", str(dataset), "--predictions", "gold", "--json",
+        "--repos", str(world / "repos"), "--run-id", "v5", "--report-dir", str(world / "out"),
+    ), timeout=BATCH_SECONDS)  # fmt: skip
+    assert res.code == 0, res.err
+    assert json.loads(res.out)["resolved_ids"] == IDS
+    out = world / "out" / "logs" / "run_evaluation" / "v5" / "gold" / MEDIAN / "test_output.txt"
+    assert "+ pytest -rA tests/test_mean.py tests/test_median.py -rA\n" in out.read_text()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+def test_tests_that_need_the_network_are_an_infra_error_as_the_harness_classifies_them(
+    gitrun: Gitrun, world: Path
+) -> None:
+    fetch = "python -c 'import socket; socket.getaddrinfo(\"pypi.org\", 443)'"
+    _respec(world, test_cmd=f"{fetch} && pytest -rA tests")
+    report = batch(gitrun, world, "gold", "--instance-ids", MEDIAN, code=1)
+    assert report["error_ids"] == [MEDIAN]
+    assert report["failure_reasons"] == {MEDIAN: "environment"}
+    meta = _gitrun_json(world, MEDIAN)
+    assert meta["error_kind"] == "environment"
+    assert "network_unreachable" in meta["reason"]

@@ -4,15 +4,22 @@ the workspace, or write the user's files — and its run ends as its protocol ca
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import socket
+import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import ROOT, SANDBOXES, Gitrun, git
+from test_exec import task_with
 
 AGENTS = Path(__file__).resolve().parent / "session_agents"
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
@@ -135,3 +142,47 @@ def test_without_bubblewrap_required_refuses_to_start_the_agent_and_auto_warns(
     assert warned.code == 0, warned.err
     assert "the agent runs UNCONFINED" in warned.err
     assert _status(gitrun, "auto")["agent_isolation"]["kind"] == "none"
+
+
+@needs_bwrap
+def test_a_confined_agent_cannot_read_another_runs_scratch_output(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], tmp_path: Path,
+    reap: list[subprocess.Popen[str]],
+) -> None:  # fmt: skip
+    """Run A's exec prints a marker into its scratch output files while it sleeps; run
+    B's agent sees the host's temp dir (read-only) and reads all it can there."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp / "control.txt").write_text("CONTROL-WORD\n")  # proves the agent can read tmp at all
+    marker = f"MARKER-{uuid.uuid4().hex}"
+    task = task_with(sandbox_copy, [{"command": f"echo {marker}; echo {marker} >&2; sleep 8"}],
+                     exec_table='allow = ["*"]')  # fmt: skip
+    run_a = gitrun.popen("run", str(task), "--run-id", "a", TMPDIR=str(tmp))
+    reap.append(run_a)
+    deadline = time.monotonic() + 60
+    while not _holding(tmp, marker):
+        assert run_a.poll() is None, run_a.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    median = ROOT / "examples" / "agents" / "median_agent.py"
+    agent = f"cmd:{sys.executable} {AGENTS / 'snoop_agent.py'} {tmp} {marker} CONTROL-WORD {median}"
+    res = gitrun("run", str(SANDBOXES / "fix-median"), "--agent", agent, "--run-id", "b",
+                 "--isolation", "required", TMPDIR=str(tmp))  # fmt: skip
+    lines = [ln for ln in res.err.splitlines() if ln.startswith("SNOOP ")]
+    assert lines, res.err
+    seen = json.loads(lines[0].removeprefix("SNOOP "))
+    assert seen["control"] == [str(tmp / "control.txt")], seen
+    assert seen["found"] == [], seen
+    assert res.code == 0, res.err
+    _, err = run_a.communicate(timeout=90)
+    assert run_a.returncode in (0, 1), err
+
+
+def _holding(directory: Path, marker: str) -> bool:
+    """Whether any file under ``directory`` holds ``marker`` (as the test sees it)."""
+    for parent, _, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(OSError):
+                if marker.encode() in (Path(parent) / name).read_bytes():
+                    return True
+    return False

@@ -334,7 +334,7 @@ def test_heartbeat_raising_kills_the_child_and_reraises(project: Path, pidfile: 
     assert all_dead(pids)
 
 
-def test_report_declaring_a_doctype_is_refused(project: Path) -> None:
+def test_report_declaring_a_doctype_is_refused() -> None:
     laughs = (
         '<?xml version="1.0"?><!DOCTYPE lolz [<!ENTITY lol "lol">'
         '<!ENTITY lol2 "&lol;&lol;&lol;&lol;">]><testsuites><testsuite>'
@@ -342,11 +342,22 @@ def test_report_declaring_a_doctype_is_refused(project: Path) -> None:
         "</testsuite></testsuites>"
     )
 
-    result = run_verifier(spec((A + "test_fixed",), command=report_writer(laughs)), project)
+    with pytest.raises(junit.UnusableReport, match="declares a DOCTYPE or ENTITY"):
+        junit.parse_junit(laughs.encode())
+
+
+def test_a_command_writing_its_own_report_without_pytest_is_verdict_tampered(
+    project: Path,
+) -> None:
+    report = '<testsuites><testcase classname="tests.test_a" name="test_fixed"/></testsuites>'
+
+    result = run_verifier(spec((A + "test_fixed",), command=report_writer(report)), project)
 
     assert not result.passed
     assert result.outcomes == {A + "test_fixed": "error"}
-    assert result.summary == "verifier error: JUnit report refused: it declares a DOCTYPE or ENTITY"
+    assert result.summary == (
+        "verdict-tampered: a JUnit report was written but pytest streamed no outcome"
+    )
 
 
 def test_report_over_the_size_cap_is_refused(
@@ -380,18 +391,17 @@ def test_a_command_that_writes_no_report_says_in_the_summary_what_it_printed(
     assert "No module named pytest" in result.summary
 
 
-def test_testcase_without_file_attribute_is_matched_through_its_classname(project: Path) -> None:
+def test_testcase_without_file_attribute_is_matched_through_its_classname() -> None:
     report = (
         "<testsuite>"
         '<testcase classname="tests.test_a.TestOuter" name="test_method"/>'
         '<testcase classname="tests.test_a" name="test_fixed"><skipped/></testcase>'
         "</testsuite>"
     )
-    required = (A + "TestOuter::test_method", A + "test_fixed")
+    cases = junit.parse_junit(report.encode())
 
-    result = run_verifier(spec(p2p=required, command=report_writer(report)), project)
-
-    assert result.outcomes == {required[0]: "passed", required[1]: "skipped"}
+    assert cases[junit.junit_key(A + "TestOuter::test_method")] == "passed"
+    assert cases[junit.junit_key(A + "test_fixed")] == "skipped"
 
 
 def test_unknown_command_raises_bad_input_naming_it(project: Path) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import pygit2
 
-from gitrun.adapter import safefs
+from gitrun.adapter import dotgit, safefs
 from gitrun.adapter.worktree import INDEX_BASE_FILE, WorktreeFiles
 from gitrun.core import faults, trailer
 from gitrun.core.codec import digest
@@ -40,13 +40,13 @@ from gitrun.core.errors import (
     Refused,
 )
 from gitrun.core.records import EXEC, REWIND, TOOL, Action, Precondition, Receipt
-from gitrun.store import durable, gitstore, journal, trees
+from gitrun.store import gitstore, trees
 from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
-from gitrun.store.ledmove import Lead
 from gitrun.store.receipts import GitReceiptLog
 from gitrun.store.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
 from gitrun.store.receipts import index_ref as index_ref  # noqa: PLC0414 - re-export for callers
+from gitrun.store.refmove import Lead
 from gitrun.store.remote import RemoteReceiptLog, RemoteSite
 
 if TYPE_CHECKING:
@@ -114,21 +114,37 @@ class Environment(WorktreeFiles):
             repo.add_worktree(f"gitrun-{run_id}", str(worktree), repo.references[branch])
             # libgit2 syncs none of the worktree's admin files or checked-out files, and
             # ref moves no longer sync the filesystem (the journal): make them durable now.
-            durable.sync_filesystem(gitstore.common_dir(repo))
+            gitstore.sync_all(repo)
             faults.point("setup_worktree_added")
             env = cls(repo, run_id, worktree, task_label, site=site)
             gitdir = Path(env.wt.path)
             atomic_write(gitdir / INDEX_BASE_FILE, str(base).encode())  # base is checked out
-            _create_instance(gitdir, worktree)
+            create_instance(gitdir, worktree)
         return env
 
     @property
     def wt(self) -> pygit2.Repository:
+        """The worktree's repository, opened by its admin dir: never through the
+        worktree's ``.git`` entry, which an exec's command can replace (:mod:`dotgit`)."""
         if self._wt is None:
-            if not (self.worktree / ".git").exists():
+            admin = dotgit.admin_dir(gitstore.common_dir(self.repo), self.run_id)
+            if not self.worktree.is_dir() or not (admin / "gitdir").is_file():
                 raise EnvironmentDrift("worktree-missing", f"{self.worktree} no longer exists")
-            self._wt = gitstore.open_repo(self.worktree)
+            self._wt = gitstore.open_repo(admin)
         return self._wt
+
+    def check_dotgit(self) -> None:
+        """The worktree's ``.git`` must be exactly the file gitrun made (drift otherwise)."""
+        admin = Path(self.wt.path)
+        wrong = dotgit.problem(self.worktree, admin)
+        if wrong is not None:
+            raise EnvironmentDrift(
+                "dotgit-replaced",
+                f"{self.worktree / '.git'} {wrong}, not the file gitrun made; a git command "
+                f"run there would use another repository. Put gitrun's back (rm -rf "
+                f"{self.worktree / '.git'} && printf %s {dotgit.expected(admin).decode()!r} > "
+                f"{self.worktree / '.git'}) and resume",
+            )
 
     def instance_id(self) -> str:
         """The instance id, valid only for the worktree at the path it was made for."""
@@ -183,6 +199,7 @@ class Environment(WorktreeFiles):
         """Instance, HEAD commit and tree, and (when ``full``) a digest of ``git status``
         (without the paths in ``skip``)."""
         instance = self.instance_id()
+        self.check_dotgit()
         self.check_head_on_branch()  # so the worktree's HEAD is the branch's commit too
         head = self.head()
         dirty: tuple[str, ...] = ()
@@ -231,7 +248,7 @@ class Environment(WorktreeFiles):
         shell: ExecContext | ToolContext | None = None,
         lead: Lead | None = None,
     ) -> Outcome:
-        """Perform ``action`` at most once for ``key``; see DESIGN.md §3 step 5. An exec
+        """Perform ``action`` at most once for ``key``; see docs/design.md §4 step 5. An exec
         needs ``shell`` (:func:`gitrun.adapter.exec_step.execute`). ``lead``, the intent's
         checkpoint move, rides in the branch move (``lead.moved``: not for a replay)."""
         if action.kind in (EXEC, TOOL):  # the worktree's whole change (exec_step.perform)
@@ -277,7 +294,7 @@ class Environment(WorktreeFiles):
     ) -> Outcome:
         """Append the write commit to the receipt log (the branch move: the commit point),
         then bring the files on disk to the new tree (as durable as the move: covered)."""
-        with journal.covering(gitstore.common_dir(self.repo)):
+        with gitstore.covering(self.repo):
             appended = self.append_write(oid, head, fence, approval, lead)
             if appended.replayed:
                 return Outcome(appended.receipt, replayed=True)
@@ -426,8 +443,9 @@ class Environment(WorktreeFiles):
         return oid
 
 
-def _create_instance(gitdir: Path, worktree: Path, instance_id: str | None = None) -> None:
+def create_instance(gitdir: Path, worktree: Path, instance_id: str | None = None) -> None:
     """Write the worktree's instance id, durably, where none exists (never replace one)."""
+    dotgit.record(gitdir, worktree)  # the .git file git just made: gitrun's, checked after execs
     record = {"instance_id": instance_id or str(uuid.uuid4()), "worktree": str(worktree.resolve())}
     try:
         atomic_write(gitdir / INSTANCE_FILE, json.dumps(record).encode(), exclusive=True)

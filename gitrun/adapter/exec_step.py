@@ -21,7 +21,6 @@ to the precondition tree and raises :class:`ExecRefused`; nothing is committed.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import pygit2
 
-from gitrun.adapter import shell
+from gitrun.adapter import dotgit, gitview, shell
 from gitrun.adapter.environment import Approval, Environment, Outcome
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import Confinement
@@ -39,6 +38,7 @@ from gitrun.adapter.scancache import ScanCache
 from gitrun.core import faults
 from gitrun.core.codec import encode
 from gitrun.core.errors import (
+    CheckpointRejected,
     EnvironmentDrift,
     GateRejected,
     GitrunError,
@@ -46,6 +46,7 @@ from gitrun.core.errors import (
     ReceiptConflict,
     Refused,
 )
+from gitrun.core.exec_policy import OutputLimits
 from gitrun.core.records import (
     EXEC,
     NEEDS_REVIEW,
@@ -56,7 +57,8 @@ from gitrun.core.records import (
     Receipt,
     ReviewCase,
 )
-from gitrun.store import durable, gitstore, oslock, trees
+from gitrun.store import gitstore, oslock, trees
+from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.receipts import output_ref
 
@@ -81,6 +83,7 @@ class ExecContext:
     confinement: Confinement
     hidden: shell.Hidden
     heartbeat: Callable[[], None] | None = None
+    git: gitview.GitView | None = None  # the command's view of git (None: git fails in it)
 
 
 def open_interrupted_review(rt: Runtime, discarded: list[str]) -> None:
@@ -270,8 +273,7 @@ def _commit_change(
 ) -> Outcome:
     """Scan the worktree's whole change against HEAD, gate it, and commit it as one
     write commit with the output kept (the fenced compare-and-swap is the commit point)."""
-    changes = shell.scan(env.repo, env.worktree, head.tree, write=True, cache=cache)
-    new_tree = _checked_tree(env, gate, head.tree, changes, fence)
+    changes, new_tree = _checked_output(env, gate, head.tree, fence, cache)
     if cache is not None:
         cache.advance(head.tree, new_tree, changes)
     extra = list(streams.trailers)
@@ -310,6 +312,7 @@ def _run_on_clean_tree(
         ran = shell.run(
             action, env.worktree, confinement=ctx.confinement, hidden=ctx.hidden,
             heartbeat=ctx.heartbeat, hold=held,
+            git=None if ctx.git is None else (ctx.git, env.repo),
         )  # fmt: skip
     faults.point("exec_done")
     return ran
@@ -339,16 +342,9 @@ def command_gone(env: Environment) -> Iterator[int]:
 def _mark_started(env: Environment, key: str) -> None:
     """Record, durably and before the command starts, that ``key``'s command may have run
     (in the worktree's private git dir): resume under ``retry = "review"`` asks for it."""
-    gitdir = Path(env.wt.path)
-    tmp = gitdir / f"{STARTED_FILE}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, key.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, gitdir / STARTED_FILE)
-    gitstore.fsync_dir(gitdir)
+    # The one atomic file path: the worktree's git dir is within the agent's reach, and a
+    # link planted at a fixed temp name must never be written through.
+    atomic_write(Path(env.wt.path) / STARTED_FILE, key.encode())
 
 
 def may_have_started(env: Environment, key: str) -> bool:
@@ -359,21 +355,21 @@ def may_have_started(env: Environment, key: str) -> bool:
         return False
 
 
-def _checked_tree(
-    env: Environment,
-    gate: Gate,
-    old: pygit2.Tree,
-    changes: dict[str, shell.Entry | None],
-    fence: Fence,
-) -> pygit2.Oid:
-    """The tree the change makes, if every changed path passes the gate; else the worktree
-    is put back to ``old`` and :class:`ExecRefused` names the rule."""
-    oid = trees.tree_with_changes(env.repo, old, as_tree_changes(changes))
-    new = env.repo[oid]
-    if not isinstance(new, pygit2.Tree):
-        raise EnvironmentDrift("exec-tree", f"{oid} is not a tree")
+def _checked_output(
+    env: Environment, gate: Gate, old: pygit2.Tree, fence: Fence, cache: ScanCache | None = None
+) -> tuple[dict[str, shell.Entry | None], pygit2.Oid]:
+    """What the command changed and the tree it makes, if the worktree's ``.git`` is still
+    gitrun's, the output is within the policy's limits and representable in git, and every
+    changed path passes the gate; else the worktree (its ``.git`` too) is put back to
+    ``old`` and :class:`ExecRefused` names the rule. Odd modes are cleared first."""
+    policy = gate.policy.exec
+    limits = policy.limits if policy is not None else OutputLimits()
     try:
-        gate.check_exec_changes(changes, old, new)
+        _check_dotgit(env)
+        changes = shell.scan(
+            env.repo, env.worktree, old, write=True, limits=limits, fix_modes=True, cache=cache
+        )
+        oid = checked_change(env, gate, old, changes)
     except GateRejected as exc:
         discarded = put_back(env, old, fence)
         shown = ", ".join(discarded[:5]) + (" ..." if len(discarded) > 5 else "")
@@ -383,7 +379,53 @@ def _checked_tree(
             f"{said}; the worktree was put back to the precondition tree "
             f"(discarded: {shown or 'nothing'}); nothing was committed",
         ) from exc
+    return changes, oid
+
+
+def checked_change(
+    env: Environment, gate: Gate, old: pygit2.Tree, changes: dict[str, shell.Entry | None]
+) -> pygit2.Oid:
+    """The tree ``changes`` make of ``old``, if git can hold every name and every changed
+    path passes the gate; else :class:`GateRejected` (nothing is put back here)."""
+    gate.check_exec_names(changes)  # a name git refuses would fail the tree write
+    oid = _representable_tree(env, old, changes)
+    new = env.repo[oid]
+    if not isinstance(new, pygit2.Tree):
+        raise EnvironmentDrift("exec-tree", f"{oid} is not a tree")
+    gate.check_exec_changes(changes, old, new)
     return oid
+
+
+def tree_at(env: Environment, tree_id: str) -> pygit2.Tree:
+    """The tree ``tree_id`` of the run's repository (a run's recorded tree: it must exist)."""
+    tree = trees.tree_at(env.repo, tree_id)
+    if tree is None:
+        raise CheckpointRejected(
+            "tree-missing", f"the run's tree {tree_id} is not in the repository"
+        )
+    return tree
+
+
+def _check_dotgit(env: Environment) -> None:
+    wrong = dotgit.problem(env.worktree, Path(env.wt.path))
+    if wrong is not None:
+        raise GateRejected(
+            "exec-dotgit",
+            f"the worktree's .git {wrong} after the command: it must stay the file gitrun "
+            "made (a repository of the command's own would run its hooks for the user)",
+        )
+
+
+def _representable_tree(
+    env: Environment, old: pygit2.Tree, changes: dict[str, shell.Entry | None]
+) -> pygit2.Oid:
+    """The tree of the change; a name git (libgit2) will not put in a tree is a refusal."""
+    try:
+        return trees.tree_with_changes(env.repo, old, as_tree_changes(changes))
+    except (pygit2.GitError, ValueError) as exc:
+        raise GateRejected(
+            "exec-unrepresentable", f"git cannot hold what the command made: {exc}"
+        ) from exc
 
 
 def as_tree_changes(changes: dict[str, shell.Entry | None]) -> dict[str, trees.Change]:
@@ -401,10 +443,12 @@ def put_back(env: Environment, tree: pygit2.Tree, fence: Fence) -> list[str]:
     """Restore the worktree to ``tree`` as the lease holder, once no earlier command of
     it lives (:func:`command_gone`); the paths discarded."""
     with command_gone(env), env.fenced(fence):
-        discarded = shell.restore(env.repo, env.worktree, tree)
+        fixed = dotgit.put_back(env.worktree, Path(env.wt.path))
+        discarded = [".git"] if fixed else []
+        discarded += shell.restore(env.repo, env.worktree, tree)
     # Durable now: no journal record names these writes (the branch does not move for
     # them), and a cut after the next checkpoint must not bring the discarded back.
-    durable.sync_filesystem(gitstore.common_dir(env.repo))
+    gitstore.sync_all(env.repo)
     return discarded
 
 

@@ -14,7 +14,7 @@ the temp name first (as exclusive as ``O_EXCL``), opened without following a lin
 waiting (a FIFO or a leased file a racing process swapped in is refused at once), and
 written only when it is a regular file with that one link that no process has open (an
 agent's reader of the path's old content, or its mmap, keeps what it sees; see
-:func:`gitrun.store.spares.unshared`). Anything else (a link planted there, a hard link
+:func:`gitrun.store.oslock.unshared`). Anything else (a link planted there, a hard link
 to another file, a crash's leftover still linked as the worktree file) is unlinked from
 the temp name and never written: the temp file is then created as usual. A write killed
 between the reuse and its rename leaves a temp file, as before: a leftover the next owner
@@ -28,7 +28,7 @@ import hashlib
 import os
 import stat
 
-from gitrun.store.spares import unshared
+from gitrun.store.oslock import unshared
 
 SPARE_DIR = "gitrun-spare"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

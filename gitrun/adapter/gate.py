@@ -142,6 +142,11 @@ class Gate:
         shaped = {p: None if c is None else (c[1], c[0]) for p, c in changes.items()}
         return Rewind(GitTree(target), shaped)
 
+    def check_exec_names(self, changes: Changes) -> None:
+        """Every name an exec step made, under git's own path rules (before a tree is
+        written: libgit2 refuses the names git's ``verify_path`` refuses)."""
+        self.rules.check_exec_names(changes)
+
     def check_exec_changes(self, changes: Changes, old: pygit2.Tree, new: pygit2.Tree) -> None:
         """Every path an exec step changed, under the rules a write of it would meet."""
         self.rules.check_exec_changes(changes, GitTree(old), GitTree(new))

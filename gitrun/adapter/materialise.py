@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import pygit2
 
+from gitrun.adapter.scratch import make as make_scratch
 from gitrun.core.errors import BadInput, GitrunError
 
 _T = TypeVar("_T", pygit2.Tree, pygit2.Blob)
@@ -87,7 +87,7 @@ def _get(repo: pygit2.Repository, oid: pygit2.Oid, kind: type[_T]) -> _T:
 @contextlib.contextmanager
 def scratch(avoid: Sequence[Path]) -> Iterator[Path]:
     """A fresh private directory outside every path in ``avoid``; removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="gitrun-verify-")).resolve()
+    path = make_scratch("gitrun-verify-")  # under the root no other run's sandbox shows
     try:
         for other in avoid:
             resolved = other.resolve()

@@ -2,8 +2,9 @@
 
 The isolation setting (``auto``, ``required``, ``none``) decides whether the test command
 runs inside ``bwrap``: the root file system read-only, the scratch directories read-write,
-the workspace (keys, registry, other runs), the repository's common git dir, the keyring
-and ``/tmp`` replaced by empty tmpfs mounts, a private pid namespace, no capabilities,
+the workspace (keys, registry, other runs), the repository's common git dir, the keyring,
+gitrun's scratch root (:mod:`gitrun.adapter.scratch`: other runs' scratch) and ``/tmp``
+replaced by empty tmpfs mounts, a private pid namespace, no capabilities,
 loopback-only networking where the machine allows it.
 
 Either way the command runs under a small supervisor (:data:`SUPERVISOR`): it holds the
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from gitrun.adapter import scratch
 from gitrun.adapter.supervise import SUPERVISOR as SUPERVISOR  # noqa: PLC0414 - re-export
 from gitrun.adapter.supervise import SandboxFailed as SandboxFailed  # noqa: PLC0414 - re-export
 from gitrun.adapter.supervise import Supervised as Supervised  # noqa: PLC0414 - re-export
@@ -167,11 +169,14 @@ class Layout:
     chdir: Path
     blank: Path | None = None  # an empty file bound over each of ``secret_files``
     private_tmp: bool = True  # an empty /tmp; False: the host's, read-only (an agent's)
+    shown: tuple[Path, ...] = ()  # read-only even inside ``writable`` (the verdict plugin)
+    binds: tuple[tuple[Path, Path, bool], ...] = ()  # (source, destination, writable), last
 
     @classmethod
     def of(
         cls, writable: Sequence[Path], secret_dirs: Sequence[Path], secret_files: Sequence[Path],
         chdir: Path, blank: Path | None = None, *, private_tmp: bool = True,
+        shown: Sequence[Path] = (), binds: Sequence[tuple[Path, Path, bool]] = (),
     ) -> Layout:  # fmt: skip
         """Hide a secret file's directory when nothing the tests need lives under it.
 
@@ -187,7 +192,10 @@ class Layout:
                 hidable = parent != Path("/") and not any(_under(n, parent) for n in needed)
                 (dirs if hidable else files).append(parent if hidable else f)
         kept = tuple(p.resolve() for p in writable)
-        return cls(kept, tuple(dirs), tuple(files), chdir, blank, private_tmp)
+        shown_dirs = tuple(p.resolve() for p in shown)
+        return cls(
+            kept, tuple(dirs), tuple(files), chdir, blank, private_tmp, shown_dirs, tuple(binds)
+        )
 
     def bwrap_args(self, confinement: Confinement) -> list[str]:
         """Mount order matters: a later tmpfs over a parent would hide earlier binds."""
@@ -195,7 +203,7 @@ class Layout:
         if confinement.network == "loopback":
             args.append("--unshare-net")
         tmp = [Path("/tmp")] if self.private_tmp else []  # noqa: S108 - hidden, not used
-        hidden = _outermost([*tmp, *self.secrets])
+        hidden = _outermost([*tmp, *self.secrets, scratch.root()])  # own scratch: bound back
         for path in hidden:
             args += ["--tmpfs", str(path)]
         for path in self.secret_files:
@@ -210,6 +218,10 @@ class Layout:
                 args += ["--ro-bind", str(path), str(path)]
         for path in self.writable:
             args += ["--bind", str(path), str(path)]
+        for path in self.shown:
+            args += ["--ro-bind", str(path), str(path)]
+        for source, target, writable in self.binds:  # e.g. an exec step's git view
+            args += ["--bind" if writable else "--ro-bind", str(source), str(target)]
         return [*args, "--chdir", str(self.chdir)]
 
 
@@ -223,6 +235,7 @@ def spawn(
     layout: Layout | None,
     err: IO[bytes] | None = None,
     hold: int | None = None,
+    give: Sequence[int] = (),
 ) -> Supervised:
     """Start ``argv`` in ``cwd`` under the supervisor, in bwrap when ``confinement`` says.
 
@@ -230,13 +243,13 @@ def spawn(
     without one (the verifier's single log). bwrap's and the supervisor's own complaints
     land where the command's stderr does. ``hold``: a descriptor (an flock) the supervisor
     keeps open until the command's whole tree is dead — after gitrun too, when it is
-    killed — and the command never sees.
+    killed — and the command never sees. ``give``: descriptors the command inherits.
     """
     if not confinement.confined:
         return supervise(
             argv, confined=False, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT if err is None else err, env=env,
-            hold=() if hold is None else (hold,),
+            hold=() if hold is None else (hold,), give=give,
         )  # fmt: skip
     if confinement.bwrap is None or layout is None:
         raise GitrunError("a bwrap confinement needs the bwrap path and a layout")
@@ -246,7 +259,7 @@ def spawn(
         child = supervise(
             argv, wrap, confined=True, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT if err is None else err, env=env,
-            hold=(info_w,) if hold is None else (hold, info_w),
+            hold=(info_w,) if hold is None else (hold, info_w), give=give,
         )  # fmt: skip
     finally:
         os.close(info_w)

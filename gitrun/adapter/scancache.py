@@ -25,7 +25,10 @@ from pathlib import Path
 
 import pygit2
 
+from gitrun.store.atomicfile import replace_unsynced
+
 Entry = tuple[int, pygit2.Oid | None]
+TreeEntry = tuple[int, pygit2.Oid]  # a blob or link of a tree: always a blob id
 _VERSION = "gitrun-scan-cache/1"
 
 
@@ -46,7 +49,7 @@ class ScanCache:
         self._seen: dict[str, tuple[str, str, str]] = {}
         self._trusted_before = 0
         self._tree = ""
-        self._entries: dict[str, Entry] = {}
+        self._entries: dict[str, TreeEntry] = {}
 
     @classmethod
     def load(cls, path: Path) -> ScanCache:
@@ -66,7 +69,7 @@ class ScanCache:
             if lines[0] != _VERSION or lines[-1] != "":
                 return cache  # torn or foreign: a full scan
             known: dict[str, tuple[str, str, str]] = {}
-            entries: dict[str, Entry] = {}
+            entries: dict[str, TreeEntry] = {}
             for line in lines[2:-1]:
                 kind, name, mode, rest = line.split("\0", 3)
                 if kind == "F":
@@ -93,8 +96,8 @@ class ScanCache:
             self._seen[path] = (_key(st), str(entry[0]), str(entry[1]))
 
     def entries_of(
-        self, tree: pygit2.Tree, compute: Callable[[pygit2.Tree], dict[str, Entry]]
-    ) -> dict[str, Entry]:
+        self, tree: pygit2.Tree, compute: Callable[[pygit2.Tree], dict[str, TreeEntry]]
+    ) -> dict[str, TreeEntry]:
         """``tree``'s entries: the ones held when they are that tree's, else computed."""
         if str(tree.id) == self._tree and self._entries:
             return self._entries
@@ -110,7 +113,7 @@ class ScanCache:
             if found is None or found[1] is None:
                 self._entries.pop(path, None)
             else:
-                self._entries[path] = found
+                self._entries[path] = (found[0], found[1])
         self._tree = str(new)
 
     def save(self) -> None:
@@ -123,14 +126,5 @@ class ScanCache:
         for name, (emode, eoid) in self._entries.items():
             parts += ["T\0", name, "\0", str(emode), "\0", str(eoid), "\n"]
         data = "".join(parts).encode("utf-8", "surrogateescape")
-        tmp = self.path.with_name(self.path.name + ".tmp")
         with suppress(OSError):
-            with suppress(FileNotFoundError):
-                tmp.unlink()
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
+            replace_unsynced(self.path, data)

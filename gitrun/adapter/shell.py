@@ -4,36 +4,37 @@
 isolation (:mod:`gitrun.adapter.sandbox`: bubblewrap with the worktree bound read-write and the
 workspace, the repository's common git dir and the keyring hidden, ``/tmp`` private; a
 supervisor that kills the command's whole process tree on timeout and when gitrun dies).
-The worktree's ``.git`` file points into the hidden common dir, so ``git`` inside the
-command fails: an exec step edits files, gitrun makes the commit.
+``git`` inside the command works on a private git dir made for the step
+(:mod:`gitrun.adapter.gitview`): an exec step edits files, gitrun makes the commit.
 
 :func:`scan` compares the whole worktree with a tree — every file, link and mode, nothing
-skipped but the top-level ``.git`` — reading nothing through a symlink; :func:`restore`
-puts the worktree back to that tree (created files removed, changed and deleted ones
-written back from git, modes too).
+skipped but the top-level ``.git`` (checked apart: :func:`gitrun.adapter.exec_step.check_dotgit`)
+— reading nothing through a symlink and nothing over the policy's output limits; :func:`restore`
+puts the worktree back to that tree (created files and directories removed unread, changed
+and deleted ones written back from git, modes too).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
-import shutil
 import stat
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import pygit2
 
-from gitrun.adapter import safefs, sandbox
+from gitrun.adapter import gitview, safefs, sandbox, scratch
 from gitrun.adapter.sandbox import Confinement, Layout, SandboxFailed
 from gitrun.adapter.scancache import ScanCache
 from gitrun.core import faults
-from gitrun.core.errors import BadInput, EnvironmentDrift
+from gitrun.core.errors import BadInput, EnvironmentDrift, GateRejected
+from gitrun.core.exec_policy import OutputLimits
 from gitrun.core.records import Action
 from gitrun.store import trees
 
@@ -88,6 +89,10 @@ def child_env(action: Action, home: Path, *, confined: bool) -> dict[str, str]:
     for name in action.env or ():
         if name in os.environ and not name.startswith("GITRUN_"):
             env[name] = os.environ[name]
+    for pair in action.set_env or ():  # the step's own values (checked by the gate)
+        name, _, value = pair.partition("=")
+        if not name.startswith("GITRUN_"):
+            env[name] = value
     return env
 
 
@@ -100,22 +105,28 @@ def run(
     heartbeat: Callable[[], None] | None = None,
     heartbeat_interval: float = 1.0,
     hold: int | None = None,
+    git: tuple[gitview.GitView, pygit2.Repository] | None = None,
 ) -> Ran:
     """Run ``action``'s command in ``worktree``/``cwd``, killed after its timeout; its
     stdout and stderr captured apart (two files), each bounded. ``hold``: a descriptor
-    its supervisor keeps until the command's tree is dead (see :func:`sandbox.spawn`)."""
+    its supervisor keeps until the command's tree is dead (see :func:`sandbox.spawn`).
+    ``git``: the step's git view (:mod:`gitrun.adapter.gitview`), made in its scratch."""
     worktree = worktree.resolve()
     cwd = worktree / action.cwd if action.cwd else worktree
     timeout = action.timeout_seconds or 60.0
-    with tempfile.TemporaryDirectory(prefix="gitrun-exec-", ignore_cleanup_errors=True) as tmp:
-        out = Path(tmp).resolve()
+    with scratch.private("gitrun-exec-") as out:
         home = out / "home"
         home.mkdir()
         blank = out / "blank"
         blank.touch(0o444)
-        layout = Layout.of([worktree, home], hidden.dirs, hidden.files, cwd, blank)
+        view = None
+        if git is not None:
+            view = gitview.make(*git, out / "git", worktree, confined=confinement.confined)
+        binds = () if view is None else view.binds
+        layout = Layout.of([worktree, home], hidden.dirs, hidden.files, cwd, blank, binds=binds)
         with (out / "stdout").open("w+b") as log, (out / "stderr").open("w+b") as err:
             env = child_env(action, home, confined=confinement.confined)
+            env = gitview.child_env(env, view)
             child = sandbox.spawn(
                 argv_of(action), cwd=cwd, env=env, log=log, err=err,
                 confinement=confinement, layout=layout, hold=hold,
@@ -182,76 +193,155 @@ def truncated(data: bytes) -> bool:
 
 # -- what the command changed ----------------------------------------------------------
 
-Entry = tuple[int, pygit2.Oid | None]  # (git mode, blob id); OTHER entries have no blob
+Entry = tuple[int, pygit2.Oid | None]  # (git mode, blob id); OTHER and TREE entries: no blob
+_NO_FOLLOW_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def tree_entries(tree: pygit2.Tree, prefix: str = "") -> dict[str, Entry]:
+@dataclass(frozen=True)
+class Seen:
+    """One entry on disk, as ``lstat`` gave it: nothing of its content read yet."""
+
+    mode: int  # git mode: BLOB, EXEC, LINK, TREE (a directory the tree lacks), OTHER
+    size: int
+    links: int  # st_nlink
+    st: os.stat_result | None = field(default=None, compare=False)  # for a scan cache
+
+
+def tree_entries(tree: pygit2.Tree, prefix: str = "") -> dict[str, tuple[int, pygit2.Oid]]:
     """Every blob and link of ``tree`` by path (submodules left out: not files)."""
-    out: dict[str, Entry] = {}
-    for item in tree:
-        path = prefix + (item.name or "")
-        if item.filemode == trees.TREE and isinstance(item, pygit2.Tree):
-            out |= tree_entries(item, path + "/")
-        elif item.filemode in (trees.BLOB, trees.EXEC, trees.LINK):
-            out[path] = (item.filemode, item.id)
+    out: dict[str, tuple[int, pygit2.Oid]] = {}
+    stack: list[tuple[pygit2.Tree, str]] = [(tree, prefix)]
+    while stack:
+        sub, at = stack.pop()
+        for item in sub:
+            path = at + (item.name or "")
+            if item.filemode == trees.TREE and isinstance(item, pygit2.Tree):
+                stack.append((item, path + "/"))
+            elif item.filemode in (trees.BLOB, trees.EXEC, trees.LINK):
+                out[path] = (item.filemode, item.id)
     return out
 
 
-def disk_entries(
+def _tree_dirs(files: Iterable[str]) -> set[str]:
+    dirs: set[str] = set()
+    for path in files:
+        parts = path.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            dirs.add("/".join(parts[:i]))
+    return dirs
+
+
+def walk(
     worktree: Path,
-    store: Callable[[bytes], pygit2.Oid] = pygit2.hash,
-    cache: ScanCache | None = None,
-) -> dict[str, Entry]:
-    """Every file, link and special file under ``worktree`` but ``.git``, links unfollowed
-    (a file ``cache`` knows unchanged since it was hashed is not read again)."""
-    out: dict[str, Entry] = {}
-    fd = os.open(worktree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    tracked_dirs: set[str],
+    *,
+    limits: OutputLimits | None = None,
+    fix_modes: bool = False,
+) -> dict[str, Seen]:
+    """Every entry under ``worktree`` but the top-level ``.git``, by ``lstat`` alone (no
+    link followed, no content read), without recursion.
+
+    A directory the tree lacks is one ``TREE`` entry, not entered — unless ``limits`` is
+    given (an exec's output, to be committed): then every directory is entered and each
+    rule of the limits is enforced as it is met (:class:`GateRejected` naming it), so
+    nothing over them is ever read. ``fix_modes``: clear setuid, setgid and sticky bits,
+    make unreadable files and odd directories (not ``rwx`` for their owner, or writable
+    by others) ``0644``/``0755`` as a checkout would leave them (git keeps no other bits).
+    """
+    out: dict[str, Seen] = {}
+    count = 0
+    root = os.open(worktree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    stack: list[tuple[int, str, Iterator[str]]] = [(root, "", iter(sorted(os.listdir(root))))]
     try:
-        _walk(fd, "", out, store, cache)
+        while stack:
+            dfd, prefix, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                os.close(dfd)
+                stack.pop()
+                continue
+            if not prefix and name == ".git":
+                continue  # gitrun's own: checked apart (exec_step.check_dotgit)
+            path = prefix + name
+            count += 1
+            if limits is not None:
+                _check_name(path, name, count, len(stack) - 1, limits)
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if fix_modes:
+                st = _fix_mode(dfd, name, st)
+            if stat.S_ISDIR(st.st_mode):
+                if limits is None and path not in tracked_dirs:
+                    out[path] = Seen(trees.TREE, 0, st.st_nlink)
+                    continue
+                sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+                stack.append((sub, path + "/", iter(sorted(os.listdir(sub)))))
+            elif stat.S_ISLNK(st.st_mode):
+                out[path] = Seen(trees.LINK, st.st_size, st.st_nlink)
+            elif stat.S_ISREG(st.st_mode):
+                kind = trees.EXEC if st.st_mode & stat.S_IXUSR else trees.BLOB
+                out[path] = Seen(kind, st.st_size, st.st_nlink, st)
+            else:
+                out[path] = Seen(OTHER, 0, st.st_nlink)
     finally:
-        os.close(fd)
+        for dfd, _, _ in stack:
+            os.close(dfd)
     return out
 
 
-def _walk(
-    dfd: int,
-    prefix: str,
-    out: dict[str, Entry],
-    store: Callable[[bytes], pygit2.Oid],
-    cache: ScanCache | None = None,
-) -> None:
-    for name in sorted(os.listdir(dfd)):
-        if not prefix and name == ".git":
-            continue
-        path = prefix + name
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            with _opened_dir(dfd, name) as sub:
-                _walk(sub, path + "/", out, store, cache)
-        elif stat.S_ISLNK(st.st_mode):
-            out[path] = (trees.LINK, store(os.fsencode(os.readlink(name, dir_fd=dfd))))
-        elif stat.S_ISREG(st.st_mode):
-            known = cache.lookup(path, st) if cache is not None else None
-            if known is not None:
-                out[path] = known
-                continue
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            with os.fdopen(os.open(name, flags, dir_fd=dfd), "rb") as fh:
-                data = fh.read()
-            out[path] = (trees.EXEC if st.st_mode & stat.S_IXUSR else trees.BLOB, store(data))
-            if cache is not None:
-                cache.remember(path, st, out[path])
-        else:
-            out[path] = (OTHER, None)
-
-
-@contextlib.contextmanager
-def _opened_dir(dfd: int, name: str) -> Iterator[int]:
-    fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+def _check_name(path: str, name: str, count: int, depth: int, limits: OutputLimits) -> None:
+    if count > limits.max_files:
+        raise GateRejected(
+            "exec-too-many-files",
+            f"the worktree holds more than {limits.max_files} files and directories after "
+            "the command (policy.exec.max_files)",
+        )
+    if depth > limits.max_depth:  # directories above the entry
+        raise GateRejected(
+            "exec-too-deep",
+            f"{shown_path(path)[:80]}... is more than {limits.max_depth} directories deep "
+            "(policy.exec.max_depth)",
+        )
     try:
-        yield fd
-    finally:
-        os.close(fd)
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GateRejected(
+            "exec-path-encoding",
+            f"the command made {shown_path(path)}, a name that is not UTF-8; gitrun keeps "
+            "paths as UTF-8 text (receipts, policies, the protocol)",
+        ) from None
+    if name.lower() == ".git":
+        raise GateRejected(
+            "exec-dotgit",
+            f"the command made {path}: a .git below the worktree root (git refuses to add one)",
+        )
+
+
+def shown_path(path: str) -> str:
+    """``path`` printable: bytes that are not UTF-8 shown as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _fix_mode(dfd: int, name: str, st: os.stat_result) -> os.stat_result:
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISDIR(st.st_mode):
+        odd = mode & 0o7000 or mode & 0o700 != 0o700 or mode & 0o002
+        fixed = 0o755
+    elif stat.S_ISREG(st.st_mode):
+        odd = mode & 0o7000 or not mode & 0o400
+        fixed = 0o755 if mode & stat.S_IXUSR else 0o644
+    else:
+        return st
+    if not odd:
+        return st
+    os.chmod(name, fixed, dir_fd=dfd)  # lstat said not a link; no command of it lives
+    return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+
+
+def _read_at(worktree: Path, path: str, seen: Seen) -> bytes:
+    state = safefs.inspect(worktree, path)
+    if state is None or state[0] != seen.mode:
+        raise EnvironmentDrift("exec-racing", f"{shown_path(path)} changed while gitrun read it")
+    return state[1]
 
 
 def scan(
@@ -260,33 +350,108 @@ def scan(
     tree: pygit2.Tree,
     *,
     write: bool = False,
+    limits: OutputLimits | None = None,
+    fix_modes: bool = False,
     cache: ScanCache | None = None,
 ) -> dict[str, Entry | None]:
     """path → what the disk holds instead of ``tree``'s entry (None: deleted).
 
-    With ``write`` the blobs of new and changed files are stored in ``repo``; ``cache``
-    spares reading files unchanged since they were hashed (:mod:`gitrun.adapter.scancache`).
+    The content of a file is read only when its type and size match the tree's blob (so
+    never more than the tree holds) or, with ``write``, when it is new or changed and
+    within ``limits`` (its blob then stored in ``repo``). A directory the tree lacks is
+    one ``(TREE, None)`` entry, unless ``write`` (it is entered: see :func:`walk`).
+    ``cache`` spares reading a file whose stat is unchanged since it was hashed
+    (:mod:`gitrun.adapter.scancache`); it is only ever told what was read here.
     """
     before = tree_entries(tree) if cache is None else cache.entries_of(tree, tree_entries)
-    store = repo.create_blob if write else pygit2.hash
-    now = disk_entries(worktree, cache=cache)
+    now = walk(worktree, _tree_dirs(before), limits=limits if write else None, fix_modes=fix_modes)
     changes: dict[str, Entry | None] = {}
+    new: dict[str, Seen] = {}
     for path in sorted(set(before) | set(now)):
-        if before.get(path) != now.get(path):
-            changes[path] = now.get(path)
+        old, seen = before.get(path), now.get(path)
+        if seen is None:
+            changes[path] = None
+        elif (
+            old is None
+            or old[0] != seen.mode
+            or seen.mode in (OTHER, trees.TREE)
+            or not _unchanged(repo, worktree, path, old, seen, cache)
+        ):
+            new[path] = seen
     if write:
-        for path, found in changes.items():  # store only what changed (the command is over)
-            if found is not None and found[0] != OTHER:
-                state = safefs.inspect(worktree, path)
-                if state is None:
-                    raise EnvironmentDrift("exec-racing", f"{path} vanished while gitrun read it")
-                changes[path] = (found[0], store(state[1]))
+        _check_written(new, limits or OutputLimits())
+    for path, seen in new.items():
+        if seen.mode in (OTHER, trees.TREE):
+            changes[path] = (seen.mode, None)
+        elif write:
+            stored: Entry = (seen.mode, repo.create_blob(_read_at(worktree, path, seen)))
+            changes[path] = stored
+            if cache is not None and seen.st is not None:
+                cache.remember(path, seen.st, stored)
+        else:
+            changes[path] = (seen.mode, None)
     return changes
 
 
+def _unchanged(
+    repo: pygit2.Repository,
+    worktree: Path,
+    path: str,
+    old: tuple[int, pygit2.Oid],
+    seen: Seen,
+    cache: ScanCache | None,
+) -> bool:
+    """Whether ``seen`` (of ``old``'s mode) still holds ``old``'s blob: the cache's word
+    for a file whose stat is unchanged since hashed, else its bytes read and hashed."""
+    if cache is not None and seen.st is not None:
+        known = cache.lookup(path, seen.st)
+        if known is not None:
+            return known == old
+    blob = repo.get(old[1])
+    size = blob.size if isinstance(blob, pygit2.Blob) else -1
+    if size != seen.size:
+        return False
+    same = pygit2.hash(_read_at(worktree, path, seen)) == old[1]
+    if same and cache is not None and seen.st is not None:
+        cache.remember(path, seen.st, old)
+    return same
+
+
+def _check_written(new: dict[str, Seen], limits: OutputLimits) -> None:
+    """The rules on new and changed entries, before any of their content is read."""
+    total = 0
+    for path, seen in sorted(new.items()):
+        if seen.mode == OTHER:
+            raise GateRejected(
+                "exec-special-file",
+                f"the command made {shown_path(path)}, neither file nor symlink "
+                "(a fifo, socket or device)",
+            )
+        if seen.mode in (trees.BLOB, trees.EXEC) and seen.links > 1:
+            raise GateRejected(
+                "exec-hard-link",
+                f"the command made {shown_path(path)} a hard link ({seen.links} names for one "
+                "file, maybe outside the worktree); copy the file instead",
+            )
+        if seen.size > limits.max_file_bytes:
+            raise GateRejected(
+                "exec-file-too-large",
+                f"the command made {shown_path(path)} {seen.size} bytes; a file may be "
+                f"{limits.max_file_bytes} (policy.exec.max_file_bytes)",
+            )
+        total += seen.size
+        if total > limits.max_written_bytes:
+            raise GateRejected(
+                "exec-too-much-output",
+                f"the command's new and changed files are over {limits.max_written_bytes} "
+                "bytes (policy.exec.max_written_bytes)",
+            )
+
+
 def restore(repo: pygit2.Repository, worktree: Path, tree: pygit2.Tree) -> list[str]:
-    """Put the worktree back to ``tree`` exactly; the paths that were discarded, sorted."""
-    changes = scan(repo, worktree, tree)
+    """Put the worktree back to ``tree`` exactly; the paths that were discarded, sorted
+    (a directory the tree lacks as ``dir/``, removed whole without being read)."""
+    changes = scan(repo, worktree, tree, fix_modes=True)
     for path in sorted(changes, key=lambda p: (-p.count("/"), p)):
         if trees.entry_mode(tree, path) not in (trees.BLOB, trees.EXEC, trees.LINK):
             _remove(worktree, path)
@@ -300,30 +465,74 @@ def restore(repo: pygit2.Repository, worktree: Path, tree: pygit2.Tree) -> list[
             safefs.write_link(worktree, path, obj.data)
         else:
             safefs.write_file(worktree, path, obj.data, executable=mode == trees.EXEC)
-    _prune_dirs(worktree, tree)
     left = scan(repo, worktree, tree)
     if left:
         raise EnvironmentDrift(
-            "exec-restore", f"the worktree could not be put back: {sorted(left)[:5]} still differ"
+            "exec-restore",
+            f"the worktree could not be put back: {[shown_path(p) for p in sorted(left)[:5]]} "
+            "still differ",
         )
-    return sorted(changes)
+    return sorted(
+        shown_path(p) + ("/" if found is not None and found[0] == trees.TREE else "")
+        for p, found in changes.items()
+    )
 
 
 def _remove(worktree: Path, path: str) -> None:
-    """Remove whatever is at ``path`` (a directory with everything below it), no link followed."""
+    """Remove whatever is at ``path`` (a directory with everything below it), no link
+    followed and nothing read."""
     parent, _, name = path.rpartition("/")
     probe = f"{parent}/x" if parent else "x"
     try:
-        state = safefs.inspect(worktree, path)
-    except EnvironmentDrift:
-        return  # a parent is a link or file: removing that parent removes this too
-    if state is None:
-        return
-    if state[0] == trees.TREE:
         with safefs_dir(worktree, probe) as dfd:
-            shutil.rmtree(name, dir_fd=dfd)
+            remove_at(dfd, name)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return  # a parent is gone, a link or a file: removing it removes this too
+        raise
+
+
+def remove_at(dfd: int, name: str) -> None:
+    """Unlink ``name`` in the directory ``dfd``, or remove it as a whole directory tree —
+    iteratively, one descriptor at a time (climbing back through ``..``), so no depth
+    exhausts the stack or the descriptor table; directories without rights are opened."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
         return
-    safefs.remove(worktree, path)
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dfd)
+        return
+    names = [name]
+    fd = _open_for_removal(dfd, name)
+    while True:
+        below = None
+        for entry in os.listdir(fd):
+            if stat.S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):
+                below = entry
+                break
+            os.unlink(entry, dir_fd=fd)
+        if below is not None:
+            sub = _open_for_removal(fd, below)
+            os.close(fd)
+            fd = sub
+            names.append(below)
+            continue
+        if len(names) == 1:
+            os.close(fd)
+            os.rmdir(name, dir_fd=dfd)
+            return
+        up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+        os.close(fd)
+        os.rmdir(names.pop(), dir_fd=up)
+        fd = up
+
+
+def _open_for_removal(dfd: int, name: str) -> int:
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
+        os.chmod(name, 0o700, dir_fd=dfd)  # a directory without rights: its entries go too
+    return os.open(name, _DIR_FLAGS, dir_fd=dfd)
 
 
 @contextlib.contextmanager
@@ -338,15 +547,3 @@ def safefs_dir(worktree: Path, probe: str) -> Iterator[int]:
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def _prune_dirs(worktree: Path, tree: pygit2.Tree) -> None:
-    """Remove directories the tree does not have (empty ones a command left behind)."""
-    for dirpath, dirnames, _ in os.walk(worktree, topdown=False):
-        rel = Path(dirpath).relative_to(worktree).as_posix()
-        if rel in {".", ".git"} or rel.startswith(".git/"):
-            continue
-        if trees.entry_mode(tree, rel) != trees.TREE:
-            with contextlib.suppress(OSError):
-                os.rmdir(dirpath)
-        del dirnames

@@ -3,6 +3,14 @@ or not (:mod:`gitrun.adapter.sandbox`): it holds the read end of a pipe whose wr
 only gitrun holds, and kills the command's whole process tree when that pipe reports
 end-of-file (which the kernel does when gitrun dies, even by SIGKILL); over a second pipe
 it tells gitrun whether the command started and how it ended.
+
+Descriptors: the supervisor holds gitrun's ends of those pipes and, for an exec step, the
+exec lock of the worktree's hidden git dir; inside bubblewrap it shares the command's pid
+namespace and user, so the command could reopen them through ``/proc/<pid>/fd`` (the lock
+file read-write). The supervisor makes itself undumpable first (``PR_SET_DUMPABLE`` 0):
+its ``/proc/<pid>/fd`` then needs ``CAP_SYS_PTRACE``, which the sandbox drops. The command
+itself inherits none of them (``close_fds``); bwrap's own pid 1 closes every descriptor but
+its event fd before it forks the supervisor.
 """
 
 from __future__ import annotations
@@ -74,13 +82,22 @@ def main():
     alive, status = int(sys.argv[1]), int(sys.argv[2])
     for fd in (alive, status):
         os.set_inheritable(fd, False)
+    try:  # before anything of the command runs: see "Descriptors" in the module docstring
+        import ctypes
+        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+            raise OSError(ctypes.get_errno(), "prctl")
+    except Exception as exc:
+        said = "error cannot make the supervisor undumpable: " + str(exc) + "\n"
+        os.write(status, said.encode())
+        return 127
     try:
         import ctypes
         ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
     except Exception:
         pass
+    passed = [int(fd) for fd in sys.argv[3][7:].split(",")] if sys.argv[3][:7] == "--pass=" else []
     try:
-        child = subprocess.Popen(sys.argv[4:], start_new_session=True)
+        child = subprocess.Popen(sys.argv[4:], start_new_session=True, pass_fds=passed)
     except OSError as exc:
         os.write(status, ("error " + (exc.strerror or type(exc).__name__) + "\n").encode())
         return 127
@@ -209,18 +226,22 @@ def supervise(
     *,
     confined: bool,
     hold: Sequence[int] = (),
+    give: Sequence[int] = (),
     **popen: Any,
 ) -> Supervised:
     """Start ``argv`` under the supervisor (inside ``wrap``, e.g. bwrap's own argv), in
     its own session; it dies with us through the alive pipe only we hold the write end of.
-    The verifier, exec steps and external agents all start their children here."""
+    The verifier, exec steps and external agents all start their children here. ``give``:
+    descriptors the command inherits, at the same numbers (the verifier's outcome channel).
+    """
     alive_r, alive_w = os.pipe()
     status_r, status_w = os.pipe()
-    inner = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), "--"]
+    passing = "--pass=" + ",".join(str(fd) for fd in give) if give else "--"
+    inner = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(alive_r), str(status_w), passing]
     full = [*wrap, *inner, *argv]
     try:
         proc = subprocess.Popen(
-            full, start_new_session=True, pass_fds=(alive_r, status_w, *hold), **popen
+            full, start_new_session=True, pass_fds=(alive_r, status_w, *hold, *give), **popen
         )
     except OSError as exc:
         for fd in (alive_w, status_r):

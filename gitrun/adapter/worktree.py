@@ -21,7 +21,7 @@ from pygit2.enums import FileMode, FileStatus
 from gitrun.adapter import filespare, safefs
 from gitrun.core import faults
 from gitrun.core.errors import EnvironmentDrift, StorageFailed
-from gitrun.store import durable, gitstore, journal_recovery, trees
+from gitrun.store import gitstore, trees
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence
 
@@ -237,7 +237,7 @@ class WorktreeFiles(ABC):
             )
         self.sync_files(parent.tree, head.tree, changes, fence)
         # The branch moved in an earlier process: its journal record may be gone (rotated).
-        durable.sync_filesystem(gitstore.common_dir(self.repo))
+        gitstore.sync_all(self.repo)
         return True
 
     # -- after a power cut -----------------------------------------------------------
@@ -245,8 +245,8 @@ class WorktreeFiles(ABC):
     def power_loss_paths(self) -> set[str]:
         """The paths whose worktree files a power cut may have taken: those the run's
         branch changed since the value it had before the writes the journal put back
-        (:func:`gitrun.store.journal_recovery.recovered_branches`). Empty without a recovery."""
-        since = journal_recovery.recovered_branches(gitstore.common_dir(self.repo))
+        (:func:`gitrun.store.gitstore.power_cut_branches`). Empty without a recovery."""
+        since = gitstore.power_cut_branches(self.repo)
         if self.branch not in since:
             return set()
         before = since[self.branch]
@@ -281,8 +281,8 @@ class WorktreeFiles(ABC):
         self.sync_index()
         # Durable before the note goes: a second cut must not keep its removal and lose
         # these writes (made after the recovery's sync, covered by no journal record).
-        durable.sync_filesystem(gitstore.common_dir(self.repo))
-        journal_recovery.clear_recovered(gitstore.common_dir(self.repo), self.branch)
+        gitstore.sync_all(self.repo)
+        gitstore.power_cut_repaired(self.repo, self.branch)
 
 
 def _sync_file(path: Path) -> None:

@@ -20,7 +20,7 @@ import shutil
 import time
 from pathlib import Path
 
-from gitrun.adapter.environment import Environment, _create_instance, branch_ref
+from gitrun.adapter.environment import Environment, branch_ref, create_instance
 from gitrun.adapter.worktree import INDEX_BASE_FILE
 from gitrun.app.opening import Options, base_parts
 from gitrun.app.starting import repo_dir
@@ -34,7 +34,7 @@ from gitrun.core.errors import (
     RunTaken,
 )
 from gitrun.core.task import Task
-from gitrun.store import durable, gitstore
+from gitrun.store import gitstore
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.checkpoint import find_checkpoint_refs
 from gitrun.store.keys import load_keyring
@@ -165,10 +165,10 @@ def _worktree_at_tip(site: RemoteSite, run_id: str, worktree: Path, instance_id:
     worktree.parent.mkdir(parents=True, exist_ok=True)
     (gitstore.common_dir(repo) / "worktrees").mkdir(exist_ok=True)
     repo.add_worktree(name, str(worktree), repo.references[branch])
-    durable.sync_filesystem(gitstore.common_dir(repo))  # libgit2 syncs none of it
+    gitstore.sync_all(repo)  # libgit2 syncs none of it
     gitdir = Path(Environment(repo, run_id, worktree, "", site=site).wt.path)
     atomic_write(gitdir / INDEX_BASE_FILE, str(tip).encode())  # the tip is checked out
-    _create_instance(gitdir, worktree, instance_id)
+    create_instance(gitdir, worktree, instance_id)
 
 
 def check_same_remote(opts: Options, record: RunRecord) -> None:

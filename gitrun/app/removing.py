@@ -19,12 +19,10 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import pygit2
-
 from gitrun.adapter import shell
 from gitrun.app.opening import Opened, Options, lease_store, load_verified, open_run
 from gitrun.core.errors import EnvironmentDrift, GitrunError
-from gitrun.store import gitstore
+from gitrun.store import gitstore, trees
 from gitrun.store.lease_record import lease_ref
 
 
@@ -82,10 +80,10 @@ def _check_saved(opened: Opened, worktree: Path) -> None:
     """Refuse when the worktree holds work no receipt has (it would be lost)."""
     try:
         _, stored = load_verified(opened, check_scenario=False)
-        tree = opened.repo.get(stored.state.env.tree)
+        tree = trees.tree_at(opened.repo, stored.state.env.tree)
     except GitrunError:
         return  # no verified checkpoint: nothing to compare with; the refs go anyway
-    if not isinstance(tree, pygit2.Tree):
+    if tree is None:
         return
     changed = shell.scan(opened.repo, worktree, tree)
     if changed:

@@ -16,8 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gitrun.app import swebench_env
+from gitrun.app.inputs import read_input
 from gitrun.app.swebench_progress import Display, Lines, display
-from gitrun.app.swebench_run import BUSY, Context, Job, evaluate
+from gitrun.app.swebench_run import BUSY, ERROR, Context, Job, evaluate, log_dir
 from gitrun.app.workspace import Workspace
 from gitrun.core import swebench
 from gitrun.core.errors import BadInput
@@ -25,7 +27,28 @@ from gitrun.core.swebench import Instance, RepoSpec
 from gitrun.store.atomicfile import atomic_write
 
 SPEC_FILE = "gitrun-swebench.json"
-__all__ = ["SPEC_FILE", "Request", "display", "plan_jobs", "run_batch"]
+__all__ = ["SPEC_FILE", "Request", "display", "plan_jobs", "run_batch", "spread_ids"]
+IDS_OPTION = "--instance-ids"
+
+
+def spread_ids(argv: list[str]) -> list[str]:
+    """``swebench --instance-ids A B`` as the harness spells it: each value after the
+    option (up to the next option) becomes its own ``--instance-ids``, which Typer takes
+    repeated; other command lines are returned unchanged."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words or words[0] != "swebench" or IDS_OPTION not in argv:
+        return argv
+    out: list[str] = []
+    taking = False
+    for arg in argv:
+        if arg == "--":
+            taking = False
+        elif arg.startswith("-"):
+            taking = arg == IDS_OPTION
+        elif taking and out[-1] != IDS_OPTION:
+            out.append(IDS_OPTION)
+        out.append(arg)
+    return out
 
 
 @dataclass(frozen=True)
@@ -43,9 +66,7 @@ class Request:
 
 
 def _read(path: Path, what: str) -> bytes:
-    if not path.is_file():
-        raise BadInput(f"--{what} {path}: no such file")
-    return path.read_bytes()
+    return read_input(path, f"--{what}")  # ``-``: standard input
 
 
 def _specs(req: Request) -> dict[str, RepoSpec]:
@@ -55,7 +76,10 @@ def _specs(req: Request) -> dict[str, RepoSpec]:
 
 def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
     """The instances selected, a job for each predicted one, and the submitted ids."""
+    swebench.safe_component(req.run_id, "--run-id")
     instances = list(swebench.parse_instances(_read(req.dataset, "dataset"), str(req.dataset)))
+    data = None if req.predictions == swebench.GOLD else _read(Path(req.predictions), "predictions")
+    preds = swebench.parse_predictions(data, instances)  # every id must be in the dataset
     if req.instance_ids:
         # each value may hold several ids, space- or comma-separated (the harness's nargs)
         wanted = {w for v in req.instance_ids for w in v.replace(",", " ").split()}
@@ -63,21 +87,54 @@ def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
         if unknown:
             raise BadInput(f"--instance-ids: {unknown[0]} is not in {req.dataset}")
         instances = [i for i in instances if i.instance_id in wanted]
-    data = None if req.predictions == swebench.GOLD else _read(Path(req.predictions), "predictions")
-    preds = swebench.parse_predictions(data, instances)
     specs, jobs = _specs(req), []
     for inst in instances:
         pred = preds.get(inst.instance_id)
         if pred is None:
             continue
-        spec = inst.spec or specs.get(inst.env_key) or specs.get(inst.repo)
+        spec = inst.spec or _with_eval_script(
+            inst,
+            specs.get(inst.env_key)
+            or specs.get(inst.repo)
+            or harness_spec(inst.repo, inst.version),
+        )
         if spec is None:
             raise BadInput(
-                f"instance {inst.instance_id}: no test_cmd in the record and no entry for "
-                f"{inst.repo} in {req.specs or req.repos / SPEC_FILE}"
+                f"instance {inst.instance_id}: no test_cmd in the record, no entry for "
+                f"{inst.env_key} or {inst.repo} in {req.specs or req.repos / SPEC_FILE}, none "
+                "in the installed swebench package's spec map, and no eval_script"
             )
         jobs.append(Job(inst, pred, spec))
-    return instances, jobs, [j.inst.instance_id for j in jobs]
+    # submitted, as the harness counts it: every prediction of the file (those outside
+    # --instance-ids too); gold: the instances selected
+    submitted = sorted(preds) if data is not None else [j.inst.instance_id for j in jobs]
+    return instances, jobs, submitted
+
+
+def harness_spec(repo: str, version: str) -> RepoSpec | None:
+    """The installed ``swebench`` package's spec for ``repo`` at ``version`` (4.x's
+    ``MAP_REPO_VERSION_TO_SPECS``; 5.x has no such map), the test directives on, as
+    the harness runs them; None without the package or the entry."""
+    try:
+        from swebench.harness import constants  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    table = getattr(constants, "MAP_REPO_VERSION_TO_SPECS", None)
+    entry = table.get(repo, {}).get(version) if isinstance(table, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    spec = swebench.spec_from(entry, f"swebench's spec for {repo}@{version}", strict=False)
+    return None if spec is None else replace(spec, directives=True)
+
+
+def _with_eval_script(inst: Instance, spec: RepoSpec | None) -> RepoSpec | None:
+    """A 5.x row's test command (its ``eval_script``'s lines between the harness's markers,
+    directives included) in place of the spec's; the spec still builds the environment
+    (without one: gitrun's interpreter with nothing installed)."""
+    cmd = swebench.eval_script_test_cmd(inst.eval_script) if inst.eval_script else None
+    if cmd is None:
+        return spec
+    return RepoSpec(cmd) if spec is None else replace(spec, test_cmd=cmd, directives=False)
 
 
 def _context(req: Request, workspace: Path | None, key_file: Path | None) -> Context:
@@ -186,6 +243,7 @@ def run_batch(
     ``report_file`` and a one-line summary (``line``) added. Progress goes to ``say`` (or a
     rich bar on a terminal); ``None`` is silent."""
     instances, jobs, submitted = plan_jobs(req)
+    swebench_env.checked_cache_root()  # refused before anything runs, not once per instance
     if req.remote is None:  # the workspace's config.toml may name the batch's remote
         req = replace(req, remote=Workspace(workspace, key_file).config_remote)
     ctx = _context(req, workspace, key_file)
@@ -209,13 +267,65 @@ def run_batch(
                 shown(out)
     finally:
         show.stop()
-    report = swebench.run_report(instances, submitted, results)
+    failures, errors, kinds = _failures(ctx, jobs, results)
+    report = swebench.run_report(instances, submitted, results, failures, errors)
     model = jobs[0].pred.model if jobs else "none"
     path = req.report_dir / f"{model.replace('/', '__')}.{req.run_id}.json"
     atomic_write(path, (json.dumps(report, indent=4) + "\n").encode(), parent_mode=0o755)
     line = (
-        f"swebench {req.run_id}: {report['resolved_instances']}/{len(submitted)} resolved, "
+        f"swebench {req.run_id}: {report['resolved_instances']}/{len(jobs)} resolved, "
         f"{report['empty_patch_instances']} empty, {report['error_instances']} errors; "
         f"report {path}"
     )
-    return report | {"report_file": str(path), "line": line}
+    return report | {"report_file": str(path), "line": line, "error_lines": _error_lines(kinds)}
+
+
+def _failures(
+    ctx: Context, jobs: Sequence[Job], results: dict[str, str]
+) -> tuple[dict[str, tuple[str, str]], dict[str, str], dict[str, list[tuple[str, str]]]]:
+    """From each failed instance's log directory: its ``(reason, tier)`` as the harness
+    5.x classifies the logs (gitrun's own kind first: an environment it could not build
+    or a read-only write is an environment failure it knows of), gitrun's reason for each
+    error, and the errors by kind."""
+    failures: dict[str, tuple[str, str]] = {}
+    errors: dict[str, str] = {}
+    kinds: dict[str, list[tuple[str, str]]] = {}
+    for job in jobs:
+        iid = job.inst.instance_id
+        if results.get(iid) not in ("unresolved", ERROR):
+            continue
+        where = log_dir(ctx, job.pred.model, iid)
+        meta = _json_file(where / "gitrun.json")
+        kind, reason = str(meta.get("error_kind") or "other"), str(meta.get("reason") or "?")
+        if results[iid] == ERROR:
+            errors[iid] = reason
+            kinds.setdefault(kind, []).append((iid, reason))
+        found = swebench.classify_text("\n".join(
+            (where / n).read_text(errors="replace")
+            for n in ("test_output.txt", "run_instance.log") if (where / n).is_file()
+        ))  # fmt: skip
+        if results[iid] == ERROR and kind in ("environment", "read_only_write"):
+            found = (kind, swebench.TIER_ENVIRONMENT)
+        if found is not None:
+            failures[iid] = found
+    return failures, errors, kinds
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _error_lines(kinds: dict[str, list[tuple[str, str]]]) -> list[str]:
+    """One line per kind of error: how many, which (the first few), and the first reason."""
+    out = []
+    for kind, items in sorted(kinds.items()):
+        ids = ", ".join(i for i, _ in items[:3]) + (
+            f" (+{len(items) - 3} more)" if len(items) > 3 else ""
+        )
+        first = " ".join(items[0][1].split())[:240]
+        out.append(f"{len(items)} {kind.replace('_', ' ')} error(s): {ids}: {first}")
+    return out

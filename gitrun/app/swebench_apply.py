@@ -19,6 +19,7 @@ import pygit2
 
 from gitrun.core.errors import BadInput, GitrunError
 from gitrun.core.patch import apply_file_patch, parse_patch
+from gitrun.core.runner_files import SECTION_SUFFIXES, command_paths, runner_reason
 
 STRICT = "strict"
 RECOUNT = "recount"
@@ -91,23 +92,83 @@ def _diff(gitdir: Path, old: str, new: str) -> bytes:
                     Path(tmp) / "index")  # fmt: skip
 
 
+def test_files(
+    repo: pygit2.Repository, base: str, test_patch: bytes
+) -> tuple[str, tuple[str, ...]]:
+    """The base tree with ``test_patch`` applied (by ``git apply``, as the write does) and
+    every path that changes: the files the harness resets to the base before applying it."""
+    gitdir = Path(repo.path)
+    base_tree = str(repo[base].peel(pygit2.Tree).id)
+    if not test_patch.strip():
+        return base_tree, ()
+    tree = _apply_on(gitdir, base_tree, test_patch, [])
+    return tree, tuple(path for path, _, _ in _changed(gitdir, base_tree, tree))
+
+
+def _changed(gitdir: Path, old: str, new: str) -> list[tuple[str, str | None, str | None]]:
+    """Every blob path that differs between two trees, with its old and new blob ids
+    (None: absent), from ``git diff-tree -r -z`` (no quoting, no renames)."""
+    with tempfile.TemporaryDirectory(prefix="gitrun-swe-index-") as tmp:
+        out = _git(gitdir, ["diff-tree", "-r", "-z", "--no-renames", "--full-index", old, new],
+                   Path(tmp) / "index")  # fmt: skip
+    fields = out.split(b"\0")
+    changes = []
+    for head, raw in zip(fields[0::2], fields[1::2], strict=False):
+        if not head.startswith(b":"):
+            continue
+        _, _, old_id, new_id, _ = head.decode().split(" ", 4)
+        path = raw.decode("utf-8", "surrogateescape")
+        changes.append((path, None if set(old_id) == {"0"} else old_id,
+                        None if set(new_id) == {"0"} else new_id))  # fmt: skip
+    return changes
+
+
+def runner_changes(
+    repo: pygit2.Repository, reference: str, tree: str, test_cmd: str
+) -> tuple[tuple[str, str], ...]:
+    """Each path (with the reason) where ``tree`` changes how the tests run compared with
+    ``reference`` (the base with the test patch): :func:`gitrun.core.runner_files.runner_reason`
+    over the trees themselves, never over patch text."""
+    named = command_paths(test_cmd)
+    found = []
+    for path, old_id, new_id in _changed(Path(repo.path), reference, tree):
+
+        def blob(oid: str | None, path: str = path) -> bytes | None:
+            if oid is None or not path.endswith(SECTION_SUFFIXES):
+                return None  # only a config file's bytes are compared
+            return repo[oid].peel(pygit2.Blob).data
+
+        why = runner_reason(path, blob(old_id), blob(new_id), named)
+        if why is not None:
+            found.append((path, why))
+    return tuple(found)
+
+
 def with_test_patch(
     repo: pygit2.Repository, base: str, tree: str, test_patch: bytes, paths: tuple[str, ...]
 ) -> tuple[str, bytes]:
-    """``tree`` with the files ``test_patch`` names reset to ``base`` and ``test_patch``
-    applied, as the harness does; and git's diff from ``tree`` to it (the second write)."""
+    """``tree`` with ``paths`` (the files ``test_patch`` names, and any test-runner file
+    the prediction changed) reset to ``base`` and ``test_patch`` applied, as the harness
+    does; and git's diff from ``tree`` to it (the second write)."""
     gitdir = Path(repo.path)
     base_tree = repo[base].peel(pygit2.Tree)
     with tempfile.TemporaryDirectory(prefix="gitrun-swe-index-") as tmp:
         index = Path(tmp) / "index"
         _git(gitdir, ["read-tree", tree], index)
-        for path in paths:
-            if path in base_tree:
-                entry = base_tree[path]
-                info = f"{entry.filemode:o} {entry.id}\t{path}\n".encode()
-                _git(gitdir, ["update-index", "--index-info"], index, info)
-            else:
-                _git(gitdir, ["update-index", "--force-remove", "--", path], index)
-        _git(gitdir, ["apply", "--cached", "-"], index, test_patch)
+        kept = [p for p in paths if p in base_tree and base_tree[p].type_str == "blob"]
+        gone = [p for p in paths if p not in kept]
+        if gone:  # first: a path that was a directory in the base may be a file now
+            _git(gitdir, ["update-index", "--force-remove", "-z", "--stdin"], index,
+                 b"".join(p.encode("utf-8", "surrogateescape") + b"\0" for p in gone))  # fmt: skip
+        if kept:
+            info = b"".join(
+                f"{base_tree[p].filemode:o} {base_tree[p].id}\t".encode()
+                + p.encode("utf-8", "surrogateescape")
+                + b"\0"
+                for p in kept
+            )
+            _git(gitdir, ["update-index", "--add", "-z", "--index-info"], index, info)
+        if test_patch.strip():
+            _git(gitdir, ["apply", "--cached", "-"], index, test_patch)
         new = _git(gitdir, ["write-tree"], index).decode().strip()
     return new, _diff(gitdir, tree, new)

@@ -36,7 +36,7 @@ from gitrun.store.remote_git import Remote, Update
 PREFIX = "refs/gitrun/swebench"
 CACHE = "refs/gitrun/swebench-cache"  # this worker's copy of the remote's queue refs
 CLAIMED, DONE = "claimed", "done"
-LOG_FILES = frozenset({"report.json", "test_output.txt", "gitrun.json"})
+LOG_FILES = frozenset({"report.json", "test_output.txt", "run_instance.log", "gitrun.json"})
 
 
 @dataclass(frozen=True)

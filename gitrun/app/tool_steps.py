@@ -26,15 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pygit2
-
 from gitrun.adapter import shell
-from gitrun.adapter.exec_step import Streams, ToolContext, as_tree_changes
+from gitrun.adapter.exec_step import Streams, ToolContext, checked_change, tree_at
 from gitrun.adapter.gate import normalise_path
 from gitrun.adapter.scancache import ScanCache
 from gitrun.app.opening import Options, lease_store, load_verified, open_run
 from gitrun.core.codec import digest
-from gitrun.core.errors import BadInput, CheckpointRejected, Frozen, GateRejected
+from gitrun.core.errors import BadInput, Frozen, GateRejected
+from gitrun.core.exec_policy import OutputLimits
 from gitrun.core.records import (
     AWAITING_APPROVAL,
     EXEC,
@@ -50,7 +49,7 @@ from gitrun.engine.jsonrpc import RpcError
 from gitrun.engine.recovery import reconcile
 from gitrun.engine.session_agent import SessionAgent
 from gitrun.engine.session_rpc import KEY_PATTERN, check_key
-from gitrun.store import trees
+from gitrun.store.atomicfile import replace_unsynced
 
 if TYPE_CHECKING:
     from gitrun.engine.runtime import Runtime
@@ -122,12 +121,9 @@ class ToolRun:
     def note_call(self, call: ToolCall) -> None:
         """Say which call is about to change the worktree (not durable: a lost note only
         makes a killed call's change an ``outside`` step)."""
-        path = self._call_path()
-        tmp = path.with_name(path.name + ".tmp")
         data = {"tool": call.tool, "key": call.key, "input": call.input_digest,
                 "session": call.session}  # fmt: skip
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        replace_unsynced(self._call_path(), json.dumps(data).encode())
 
     def noted_call(self) -> ToolCall | None:
         try:
@@ -144,38 +140,36 @@ class ToolRun:
 
     # -- looking ---------------------------------------------------------------------------
 
-    def head_tree(self) -> pygit2.Tree:
-        tree = self.rt.env.repo.get(self.rt.state.env.tree)
-        if not isinstance(tree, pygit2.Tree):
-            raise CheckpointRejected("tree-missing", f"the run's tree {self.rt.state.env.tree}")
-        return tree
-
     def changes(self, *, write: bool = False) -> dict[str, shell.Entry | None]:
-        """What the worktree holds beyond HEAD (hashed; stored too with ``write``)."""
+        """What the worktree holds beyond HEAD (stored too with ``write``: then every new
+        directory is entered and the policy's output limits hold, as for an exec step)."""
+        policy = self.rt.gate.policy.exec
+        limits = policy.limits if policy is not None else OutputLimits()
         return shell.scan(
-            self.rt.env.repo, self.worktree, self.head_tree(), write=write, cache=self.cache
-        )
+            self.rt.env.repo, self.worktree, tree_at(self.rt.env, self.rt.state.env.tree),
+            write=write, limits=limits, cache=self.cache,
+        )  # fmt: skip
 
     def check_changes(self, changes: dict[str, shell.Entry | None]) -> None:
-        """Refuse (GateRejected, nothing changed) a change the path rules do not allow."""
-        repo, old = self.rt.env.repo, self.head_tree()
-        new = repo[trees.tree_with_changes(repo, old, as_tree_changes(changes))]
-        if not isinstance(new, pygit2.Tree):
-            raise CheckpointRejected("tree", "the changed tree is not a tree")
-        self.rt.gate.check_exec_changes(changes, old, new)
+        """Refuse (GateRejected, nothing changed) a change the path or name rules do not
+        allow, or one git cannot hold."""
+        rt = self.rt
+        checked_change(rt.env, rt.gate, tree_at(rt.env, rt.state.env.tree), changes)
 
     # -- gating a call before it runs ------------------------------------------------------
 
     def check_paths(self, paths: list[str]) -> None:
         """An edit tool's paths (relative to the worktree) against the path rules."""
-        tree = self.head_tree()
+        tree = tree_at(self.rt.env, self.rt.state.env.tree)
         for raw in paths:
             self.rt.gate.check_path(normalise_path(raw), tree)
 
     def check_command(self, command: str) -> None:
         """A shell command against the policy's ``[policy.exec]`` allow and deny."""
         action = Action(EXEC, command=command)
-        self.rt.gate.check_action(action, self.head_tree(), on_disk=False)
+        self.rt.gate.check_action(
+            action, tree_at(self.rt.env, self.rt.state.env.tree), on_disk=False
+        )
 
     # -- recording -------------------------------------------------------------------------
 
@@ -202,7 +196,7 @@ class ToolRun:
         found = rt.env.lookup(key, since=rt.state.env.head)  # the index ref, or nothing new
         if found is not None and found.intent_digest == action.intent_digest():
             return found
-        checked = rt.gate.check_action(action, self.head_tree())
+        checked = rt.gate.check_action(action, tree_at(self.rt.env, self.rt.state.env.tree))
         rt.abandoned = None
         self.agent.slot.put(checked, key)
         rt.step()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from gitrun.core.codec import DecodeError, decode, encode
 from gitrun.core.errors import BadInput, Refused, RunTaken, TaskError, UnknownRun
+from gitrun.core.git_names import ref_component_problem
 from gitrun.core.task import Task
 from gitrun.store.atomicfile import atomic_dir, atomic_write
 
@@ -81,23 +82,6 @@ def _with_defaults(data: object) -> object:
         elif f.name not in out and f.default_factory is not MISSING:
             out[f.name] = f.default_factory()
     return out
-
-
-def ref_component_problem(name: str) -> str | None:
-    """Why git would refuse ``name`` as one component of a ref name (``git
-    check-ref-format``), or None. The run id names refs, a worktree and files."""
-    checks = (
-        (not name, "is empty"),
-        (name.startswith("."), "starts with '.'"),
-        (name.endswith("."), "ends with '.'"),
-        (name.endswith(".lock"), "ends with '.lock'"),
-        (".." in name, "holds '..'"),
-        ("@{" in name, "holds '@{'"),
-        (name == "@", "is '@'"),
-        (any(ord(c) < 0x20 or ord(c) == 0x7F for c in name), "holds a control character"),
-        (any(c in name for c in " ~^:?*[\\/"), "holds one of space ~ ^ : ? * [ \\ /"),
-    )
-    return next((problem for bad, problem in checks if bad), None)
 
 
 def check_run_id(run_id: str) -> str:

@@ -169,7 +169,7 @@ class ReceiptStore(Protocol[Write_contra]):
       intent digest is the same, or raises :class:`~gitrun.core.errors.ReceiptConflict`; a
       write not based on ``expected`` raises ReceiptDrift ``not-a-write``; a head that
       moved raises CasFailed. The caller looks the key up before it prepares the write
-      (DESIGN.md §3 step 5, the replay path); append's own bounded check is the last
+      (docs/design.md §4 step 5, the replay path); append's own bounded check is the last
       line against a second receipt for one key.
     - :meth:`rebuild_index` rewrites the index entry of every receipt in the history and
       returns how many entries it wrote (entries already right are not rewritten).

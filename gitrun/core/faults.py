@@ -7,6 +7,10 @@ power cut or the OOM killer. ``gitrun debug crash-points`` lists the points.
 ``GITRUN_PAUSE_AT=<point>[:<nth>]`` (tests only) stops this process with SIGSTOP there
 instead, so a test can take its lease over and wake it with SIGCONT: a stale worker.
 
+``GITRUN_FAIL_AT=<point>`` (tests only) raises :class:`InjectedFailure` there every time:
+a bug of gitrun's that an input triggers deterministically, so every resume meets it
+again (a step crashing twice at one point goes to review: :mod:`gitrun.engine.crashes`).
+
 ``GITRUN_DELAY_AT=<point>:<milliseconds>`` (tests only) sleeps there every time: it
 widens a window that is microseconds wide (a temp file written, not yet renamed), so kills
 at random moments land in it often enough to count.
@@ -20,8 +24,14 @@ import time
 ENV_VAR = "GITRUN_CRASH_AT"
 PAUSE_VAR = "GITRUN_PAUSE_AT"
 DELAY_VAR = "GITRUN_DELAY_AT"
+FAIL_VAR = "GITRUN_FAIL_AT"
 
-# name -> the crash window it sits in (DESIGN.md §3), shown by `gitrun debug crash-points`.
+
+class InjectedFailure(RuntimeError):
+    """Raised at the point ``GITRUN_FAIL_AT`` names: an unexpected exception (exit 70)."""
+
+
+# name -> the crash window it sits in (docs/design.md §6), shown by `gitrun debug crash-points`.
 POINTS: dict[str, str] = {
     "setup_unregistered": "setup: no run of this id registered when looked at, nothing written",
     "setup_before_register": "setup: inputs checked, the run not registered yet (run again)",
@@ -54,7 +64,7 @@ POINTS: dict[str, str] = {
 }
 
 _counts: dict[str, dict[str, int]] = {ENV_VAR: {}, PAUSE_VAR: {}}
-# The three variables as this process read them at its first point: a step passes ~17
+# The four variables as this process read them at its first point: a step passes ~17
 # points, and three environment look-ups each were ~1% of its CPU. Read once per process
 # (a forked child reads them afresh): tests set them per child process, never mid-run.
 _env: dict[str, str] | None = None
@@ -71,7 +81,7 @@ os.register_at_fork(after_in_child=_forget_env)
 def _read_env() -> dict[str, str]:
     global _env  # noqa: PLW0603 - one cache per process
     if _env is None:
-        _env = {var: os.environ.get(var, "") for var in (ENV_VAR, PAUSE_VAR, DELAY_VAR)}
+        _env = {var: os.environ.get(var, "") for var in (ENV_VAR, PAUSE_VAR, DELAY_VAR, FAIL_VAR)}
     return _env
 
 
@@ -93,13 +103,15 @@ def _hit(var: str, spec: str, name: str) -> bool:
 
 def point(name: str) -> None:
     """Die here with SIGKILL if ``GITRUN_CRASH_AT`` names this point (and this pass);
-    stop with SIGSTOP if ``GITRUN_PAUSE_AT`` does."""
+    stop with SIGSTOP if ``GITRUN_PAUSE_AT`` does; raise if ``GITRUN_FAIL_AT`` does."""
     if name not in POINTS:
         raise ValueError(f"unknown crash point {name}")
     env = _read_env()
-    crash, pause, delay = env[ENV_VAR], env[PAUSE_VAR], env[DELAY_VAR]
-    if not (crash or pause or delay):
+    crash, pause, delay, fail = env[ENV_VAR], env[PAUSE_VAR], env[DELAY_VAR], env[FAIL_VAR]
+    if not (crash or pause or delay or fail):
         return
+    if fail == name:
+        raise InjectedFailure(f"injected failure at {name} (GITRUN_FAIL_AT)")
     import signal  # only when a fault is set: gitrun status loads no signal module
 
     if _hit(ENV_VAR, crash, name):

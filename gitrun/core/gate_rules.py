@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -22,6 +23,7 @@ from typing import Protocol
 
 from gitrun.core import exec_policy
 from gitrun.core.errors import GateRejected
+from gitrun.core.git_names import DOTGIT_PREFIX, MODE_LINK, is_dotgit, verify_path_problem
 from gitrun.core.patch import changed_line_count, touched_paths
 from gitrun.core.patch_plan import BLOB, EXECUTABLE, LINK, TREE, TreeView, parsed, plan_patch
 from gitrun.core.records import EXEC, REWIND, TOOL, Action, Budgets, kind_allowed
@@ -76,7 +78,7 @@ def _glob_regex(pattern: str) -> re.Pattern[str]:
         else:
             out.append(re.escape(pattern[i]))
             i += 1
-    return re.compile("".join(out) + r"\Z")
+    return re.compile("".join(out) + r"\Z", re.DOTALL)  # "**" matches every character
 
 
 def glob_match(path: str, pattern: str) -> bool:
@@ -154,6 +156,7 @@ def normalise_path(raw: str | None) -> str:
         raise GateRejected("path-empty", f"{raw} names the repository root, not a file")
     if any(part.lower() == ".git" for part in path.split("/")):
         raise GateRejected("path-git-dir", f"{raw} is inside .git")
+    check_git_path(path)
     size = len(path.encode("utf-8", "surrogateescape"))
     if size > MAX_PATH_BYTES:
         raise GateRejected(
@@ -166,6 +169,38 @@ def normalise_path(raw: str | None) -> str:
             "path-too-long", f"{path[:60]}... has a name over {MAX_NAME_BYTES} bytes"
         )
     return path
+
+
+# Zero-width and bidi-control code points: invisible, or reordering what is shown, so a
+# reviewer reads another path than the one written (Unicode's Default_Ignorable and
+# Bidi_Control sets, the ones a path can plausibly hold).
+HIDDEN_CODE_POINTS = frozenset(
+    (0x00AD, 0x034F, 0x061C, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x180E, 0x3164, 0xFFA0,
+     *range(0x180B, 0x1810), *range(0x200B, 0x2010), 0x2028, 0x2029, *range(0x202A, 0x202F),
+     *range(0x2060, 0x2070), *range(0xFE00, 0xFE10), 0xFEFF, *range(0xFFF0, 0xFFF9),
+     *range(0x1D173, 0x1D17B), *range(0xE0000, 0xE1000))
+)  # fmt: skip
+
+
+def hidden_character(path: str) -> str | None:
+    """The first control, zero-width or bidi character of ``path``, named, or None."""
+    for ch in path:
+        code = ord(ch)
+        if code < 0x20 or 0x7F <= code < 0xA0 or code in HIDDEN_CODE_POINTS:
+            name = unicodedata.name(ch, "a control character")
+            return f"U+{code:04X} ({name})"
+    return None
+
+
+def check_git_path(path: str, mode: int = 0o100644) -> None:
+    """Refuse what git's ``verify_path`` refuses (``core.protectNTFS``/``protectHFS`` on):
+    a name some file system reads as ``.git`` would make git and libgit2 refuse the
+    commit after the intent is checkpointed."""
+    why = verify_path_problem(path, mode)
+    if why is None:
+        return
+    rule = "path-git-dir" if is_dotgit(why) else "path-not-normal"
+    raise GateRejected(rule, f"git refuses {path!r}: {why.removeprefix(DOTGIT_PREFIX)}")
 
 
 def _through_link(prefix: str, tree: TreeView, disk: DiskView | None) -> bool:
@@ -244,6 +279,15 @@ class Rules:
     ) -> None:
         """Every path rule; ``link_ok``: ``path`` itself may be a symlink (only its parents
         may not), as a symlink an exec step made is checked by its own rules."""
+        if not self.policy.allow_hidden_characters:
+            hidden = hidden_character(path)
+            if hidden is not None:
+                raise GateRejected(
+                    "path-hidden-character",
+                    f"{path!r} holds {hidden}, which a reader cannot see or which reorders "
+                    f"what is shown; rename it (policy {self.policy.id} would need "
+                    "allow_hidden_characters = true in [policy])",
+                )
         parts = path.split("/")
         for i in range(1, len(parts) + (0 if link_ok else 1)):
             prefix = "/".join(parts[:i])
@@ -292,6 +336,7 @@ class Rules:
                 f"the patch makes {path} a symlink; policy {self.policy.id} does not allow "
                 "symlinks (allow_symlinks = true in [policy])",
             )
+        check_git_path(path, MODE_LINK)
         parts = link_target(path, target).split("/")
         for i in range(1, len(parts)):
             prefix = "/".join(parts[:i])
@@ -337,6 +382,7 @@ class Rules:
             raise GateRejected(
                 "exec-env", f"{extra[0]} is not in policy.exec.env {list(shell.env)}"
             )
+        exec_policy.check_set_env(action.set_env)
         cwd = None if action.cwd in (None, "", ".") else self._check_cwd(action.cwd, tree, disk)
         return replace(action, cwd=cwd, timeout_seconds=float(timeout), env=env)
 
@@ -358,6 +404,16 @@ class Rules:
         if not rewind.changes:
             raise GateRejected("rewind-no-change", "HEAD already has that tree; nothing to do")
         self.check_exec_changes(rewind.changes, tree, rewind.target)
+
+    def check_exec_names(self, changes: Changes) -> None:
+        """Every path an exec step made, under git's name rules alone (``normalise_path``
+        with ``verify_path``, a symlink's own): the ones a tree write would fail on."""
+        for path, found in sorted(changes.items()):
+            if found is None:
+                continue
+            if normalise_path(path) != path:
+                raise GateRejected("path-not-normal", f"the command made {path!r}")
+            check_git_path(path, found[0])
 
     def check_exec_changes(self, changes: Changes, old: TreeView, new: TreeView) -> None:
         """Every path an exec step changed, under the rules a write of it would meet: the

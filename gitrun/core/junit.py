@@ -23,6 +23,8 @@ __all__ = [
     "junit_key",
     "parse_junit",
     "read_junit",
+    "report_bytes",
+    "worse",
 ]
 
 PASSED = "passed"
@@ -57,16 +59,24 @@ def junit_key(node_id: str) -> tuple[str, str]:
 
 def read_junit(path: Path) -> dict[tuple[str, str], str]:
     """Outcomes by ``(classname, name)`` from the JUnit report at ``path``, size-capped."""
+    data = report_bytes(path)
+    if data is None:
+        raise UnusableReport("no JUnit report was written")
+    return parse_junit(data)
+
+
+def report_bytes(path: Path) -> bytes | None:
+    """The report's bytes (None when there is none), refused over :data:`MAX_REPORT_BYTES`."""
     try:
         with path.open("rb") as handle:
             data = handle.read(MAX_REPORT_BYTES + 1)
     except FileNotFoundError:
-        raise UnusableReport("no JUnit report was written") from None
+        return None
     except OSError as exc:
         raise UnusableReport(f"JUnit report unreadable: {exc.strerror}") from None
     if len(data) > MAX_REPORT_BYTES:
         raise UnusableReport(f"JUnit report larger than {MAX_REPORT_BYTES} bytes")
-    return parse_junit(data)
+    return data
 
 
 def parse_junit(data: bytes) -> dict[tuple[str, str], str]:
@@ -87,7 +97,7 @@ def parse_junit(data: bytes) -> dict[tuple[str, str], str]:
     cases: dict[tuple[str, str], str] = {}
     for case in root.iter("testcase"):
         key = (case.get("classname", ""), case.get("name", ""))
-        cases[key] = _worse(cases.get(key, PASSED), _case_outcome(case))
+        cases[key] = worse(cases.get(key, PASSED), _case_outcome(case))
     return cases
 
 
@@ -97,10 +107,10 @@ def _case_outcome(case: ET.Element) -> str:
         found = _CHILD_OUTCOME.get(child.tag, PASSED)
         if found == SKIPPED and child.get("type") == "pytest.xfail":
             found = PASSED  # SWE-bench grades XFAIL as passing
-        outcome = _worse(outcome, found)
+        outcome = worse(outcome, found)
     return outcome
 
 
-def _worse(first: str, second: str) -> str:
+def worse(first: str, second: str) -> str:
     """The worse of two outcomes: a test reported twice counts as its worst report."""
     return first if _RANK[first] >= _RANK[second] else second

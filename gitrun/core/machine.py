@@ -1,6 +1,6 @@
 """The run's state machine, pure: ``transition(state, event) -> (state, effects)``.
 
-Every phase change of DESIGN.md §3/§5/§6 and of the seed's diagram is one event here.
+Every phase change of docs/design.md §4, §6, §7 and of the seed's diagram is one event here.
 Nothing in this module does I/O, reads a clock or imports pygit2: time arrives on the
 events, and what must happen in the world (a checkpoint advance, a write, a verifier
 run) leaves as effects, in order, for the runtime to perform. An event the current
@@ -330,7 +330,7 @@ def _write_receipt(s: RunState, e: WriteReceipt) -> Outcome:
         if problem is not None:
             return _open_review(s, p, r, problem, e.environment_version, e.at)
     if s.phase != RUNNING:
-        # A covered write found while awaiting approval. DESIGN.md §5 would reconcile it
+        # A covered write found while awaiting approval. docs/design.md §4 would reconcile it
         # (record, go running); the runtime before the machine tried to record it keeping
         # the phase, an invalid checkpoint validate_state refused (exit 5). No real run
         # reaches it: the key is looked up before any freeze, and a crash after the write

@@ -240,7 +240,7 @@ class Hold:
     """Make ``state`` the run's without writing it: a recorded receipt rides in the next
     checkpoint the run writes anyway (the next intent, a freeze, the verdict, a pause).
     Until then the write commit on the branch is the authority, and resume takes it in
-    from there (window 3 of DESIGN.md §3); ``state.events`` holds what is still unwritten.
+    from there (window 3 of docs/design.md §6); ``state.events`` holds what is still unwritten.
     """
 
     state: RunState

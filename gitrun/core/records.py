@@ -71,6 +71,9 @@ class Action:
     # tool only: the outside tool's name and the digest of its input (the intent)
     tool: str | None = optional_field()
     tool_input: str | None = optional_field()
+    # exec only: variables set for the command, "NAME=value" sorted by name (a client's
+    # own values, e.g. mini-swe-agent's environment.env; never a GITRUN_* name)
+    set_env: tuple[str, ...] | None = optional_field()
 
     def __post_init__(self) -> None:
         self.content_bytes()  # each payload has one well-formed form, or the record is refused
@@ -104,7 +107,7 @@ class Action:
         bytes only (text when UTF-8, base64 otherwise; the base64 keys appear only then, so
         a UTF-8 action digests exactly as it did before they existed)."""
         if self.kind == EXEC:
-            return {
+            intent: dict[str, Any] = {
                 "kind": self.kind,
                 "command": self.command,
                 "argv": None if self.argv is None else list(self.argv),
@@ -112,6 +115,9 @@ class Action:
                 "timeout_seconds": self.timeout_seconds,
                 "env": None if self.env is None else list(self.env),
             }
+            if self.set_env is not None:  # only then: older exec intents digest as before
+                intent["set_env"] = list(self.set_env)
+            return intent
         if self.kind == REWIND:
             return {"kind": self.kind, "tree": self.tree}
         if self.kind == TOOL:

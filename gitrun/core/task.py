@@ -31,7 +31,7 @@ _SHAPE: dict[str, tuple[set[str], set[str]]] = {
     "initial": (set(), {"repo", "message", "path", "commit"}),
     "policy": (
         {"id", "version", "allowed_actions", "write_allowlist"},
-        {"forbidden_paths", "risk", "allow_symlinks", "exec"},
+        {"forbidden_paths", "risk", "allow_symlinks", "allow_hidden_characters", "exec"},
     ),
     "verifier": (
         {"command", "fail_to_pass", "pass_to_pass"},
@@ -64,6 +64,8 @@ class Policy:
     forbidden_paths: tuple[str, ...]
     risk: tuple[RiskRule, ...]
     allow_symlinks: bool = False  # a patch may create symlinks (that resolve inside)
+    # paths may hold control, zero-width and bidi characters (gate rule path-hidden-character)
+    allow_hidden_characters: bool = False
     exec: ExecPolicy | None = None  # [policy.exec]: required when exec is allowed
 
 
@@ -115,6 +117,7 @@ class Task:
                 {"allow": list(p.write_allowlist), "forbid": list(p.forbidden_paths)}
                 # only when on, so every scenario made before the option keeps its digest
                 | ({"symlinks": True} if p.allow_symlinks else {})
+                | ({"hidden_characters": True} if p.allow_hidden_characters else {})
             ),
             "verifier": digest(self.verifier.to_json()),
             "budgets": digest(encode(self.budgets)),
@@ -241,6 +244,9 @@ def _policy(p: dict[str, Any], path: Path) -> Policy:
     symlinks = p.get("allow_symlinks", False)
     if not isinstance(symlinks, bool):
         raise _fail(path, "policy.allow_symlinks must be true or false")
+    hidden = p.get("allow_hidden_characters", False)
+    if not isinstance(hidden, bool):
+        raise _fail(path, "policy.allow_hidden_characters must be true or false")
     if not isinstance(risk, list):
         raise _fail(path, "policy.risk must be an array of tables [[policy.risk]]")
     shell = exec_policy.parse(p["exec"], path) if "exec" in p else None
@@ -259,6 +265,7 @@ def _policy(p: dict[str, Any], path: Path) -> Policy:
         forbidden_paths=_strs(p, "forbidden_paths", "policy", path),
         risk=tuple(_risk(r, i, path) for i, r in enumerate(risk)),
         allow_symlinks=symlinks,
+        allow_hidden_characters=hidden,
         exec=shell,
     )
 

@@ -13,8 +13,9 @@ worktree), the keyring file and the repository's common git dir hidden, a privat
 namespace, no capabilities; the user's ssh-agent socket (``$SSH_AUTH_SOCK``: push rights to
 a ``--remote``) hidden and unset. It acts only through the protocol, so it needs no view of
 its worktree. Unlike the tests it keeps the host network (model APIs;
-``GITRUN_AGENT_NETWORK=none`` cuts it to loopback) and the host's ``/tmp``, read-only, and
-gets a private writable ``HOME``.
+``GITRUN_AGENT_NETWORK=none`` cuts it to loopback) and the host's ``/tmp``, read-only —
+but not gitrun's scratch root there (:mod:`gitrun.adapter.scratch`: other runs' exec
+output, test logs, agent homes) — and gets a private writable ``HOME`` under it.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import contextlib
 import os
 import shlex
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gitrun.adapter import sandbox
+from gitrun.adapter import sandbox, scratch
 from gitrun.adapter.sandbox import Confinement, Layout, Supervised, supervise
 from gitrun.core.errors import AgentGone, BadInput, GitrunError
 from gitrun.core.records import Event, RunState
@@ -111,9 +111,8 @@ def spawn(command: str, rt: Runtime) -> Iterator[Supervised]:
         return
     hide = rt._secrets()  # the runtime's one list of what children never see
     dirs = (*hide.dirs, rt.env.worktree)
-    with tempfile.TemporaryDirectory(prefix="gitrun-agent-", ignore_cleanup_errors=True) as tmp:
-        scratch = Path(tmp).resolve()
-        home, blank = scratch / "home", scratch / "blank"
+    with scratch.private("gitrun-agent-") as own:
+        home, blank = own / "home", own / "blank"
         (home / "tmp").mkdir(parents=True)
         blank.touch(0o444)
         cwd = Path.cwd().resolve()  # kept, unless hidden (a key file beside it is blanked)

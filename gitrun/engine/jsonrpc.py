@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 import time
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from gitrun.core.errors import Exit
 
 VERSION = "2.0"
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a request line longer than this is refused, then skipped
+MAX_DEPTH = 64  # arrays and objects nested deeper than this are refused (-32600)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
@@ -157,6 +160,9 @@ def parse(line: bytes) -> Request:
         doc = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise RpcError(PARSE_ERROR, f"parse error: {exc}") from exc
+    except RecursionError as exc:  # deeper than the decoder's own stack allows
+        raise RpcError(INVALID_REQUEST, f"request nested deeper than {MAX_DEPTH}") from exc
+    check_document(doc)
     if isinstance(doc, list):
         raise RpcError(INVALID_REQUEST, "batch requests are not supported; send one per line")
     if not isinstance(doc, dict):
@@ -178,6 +184,33 @@ def parse(line: bytes) -> Request:
     if unknown:
         raise RpcError(INVALID_REQUEST, f"unknown member {unknown[0]!r}", _with_id(rid))
     return Request(method, params, rid, "id" not in doc)
+
+
+def check_document(doc: Any) -> None:
+    """Refuse a document nested deeper than :data:`MAX_DEPTH` (-32600) or holding a lone
+    surrogate escape (``"\\ud800"``: valid JSON syntax, no Unicode text; -32700), before
+    anything reads it: either would fail later, deep inside gitrun, and end the session.
+    Iterative, so no document exhausts the stack here."""
+    rid = doc.get("id") if isinstance(doc, dict) else None
+    data = _with_id(rid) if isinstance(rid, str | int) and not isinstance(rid, bool) else None
+    todo: list[tuple[Any, int]] = [(doc, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                raise RpcError(
+                    PARSE_ERROR, "parse error: a string holds a lone UTF-16 surrogate escape"
+                )
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_DEPTH:
+            raise RpcError(INVALID_REQUEST, f"request nested deeper than {MAX_DEPTH}", data)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                todo.append((key, depth))
+            todo.append((item, depth + 1))
 
 
 def _with_id(rid: str | int | None) -> dict[str, Any]:

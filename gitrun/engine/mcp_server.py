@@ -16,21 +16,24 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterable, Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
 import mcp_types as types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
+from mcp.shared.message import SessionMessage
 
 from gitrun.core.errors import Exit, GitrunError, LeaseLost
-from gitrun.engine.jsonrpc import RpcError
+from gitrun.engine.jsonrpc import PARSE_ERROR, RpcError
 from gitrun.engine.session import Session
 from gitrun.engine.session_rpc import KEY_PATTERN, MUTATING, PARAMS, error_of
 
 if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectSendStream
+
     from gitrun.core.records import RunState
     from gitrun.engine.runtime import Runtime
     from gitrun.engine.session_agent import SessionAgent
@@ -56,6 +59,7 @@ PARAM_NOTES: dict[str, str] = {
     "command": "A bash -c string, or an argv list.",
     "cwd": "Directory inside the worktree to run in (default: its root).",
     "timeout_seconds": "Seconds before the command is killed (the policy caps it).",
+    "env": "Variables to set for the command, {NAME: value} (never GITRUN_*).",
     "start_line": "First line to read (1-based).",
     "end_line": "Last line to read (inclusive).",
     "glob": "Glob over paths: * within a directory, ** across directories.",
@@ -223,9 +227,42 @@ class McpSession:
         with anyio.CancelScope() as scope:
             self.scope = scope
             async with stdio_server() as (read, write), anyio.create_task_group() as tg:
+                screened_in, screened = anyio.create_memory_object_stream[
+                    SessionMessage | Exception
+                ](0)
+                tg.start_soon(screen, read, screened_in, write)
                 tg.start_soon(self.renew)
-                await server.run(read, write, server.create_initialization_options())
+                await server.run(screened, write, server.create_initialization_options())
                 tg.cancel_scope.cancel()
+
+
+class Sink(Protocol):
+    """Where the SDK's stdio transport takes messages to the client."""
+
+    async def send(self, item: SessionMessage, /) -> None: ...
+
+
+async def screen(
+    read: AsyncIterable[SessionMessage | Exception],
+    forward: MemoryObjectSendStream[SessionMessage | Exception],
+    write: Sink,
+) -> None:
+    """Pass the client's messages on; answer a line the SDK could not read (malformed
+    JSON, a lone surrogate, nested too deeply) with -32700 itself: the SDK only logs it,
+    and a client waiting for that answer would wait for ever."""
+    async with forward:
+        async for item in read:
+            if not isinstance(item, Exception):
+                await forward.send(item)
+                continue
+            error = types.ErrorData(
+                code=PARSE_ERROR,
+                message="parse error: the line is no JSON-RPC message (malformed JSON, a lone "
+                "surrogate escape, or nested too deeply); the session goes on",
+            )
+            await write.send(
+                SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=None, error=error))
+            )
 
 
 def serve(rt: Runtime, agent: SessionAgent) -> RunState:

@@ -1,7 +1,7 @@
 """Reconciliation on resume: accept the environment only if it is exactly the
 checkpointed state, or that state plus the one commit the pending intent produces.
 
-Window by window (DESIGN.md §3):
+Window by window (docs/design.md §6):
 
 1. no pending intent: re-observe; the agent decides again from the same cursor;
 2. intent persisted, branch unmoved: the loop executes it once with the same key;

@@ -1,6 +1,6 @@
 """A step's intent checkpoint riding with its write: one journal record, one sync.
 
-DESIGN.md §3 makes the intent (checkpoint ``g+1``, the pending action) durable before
+docs/design.md §4 makes the intent (checkpoint ``g+1``, the pending action) durable before
 the write. For a write of files that order needs no sync of its own: the intent's
 checkpoint commit is written when the step is proposed, and its ref moves in the same
 ref transaction as the write's branch move (:class:`gitrun.store.refmove.Lead`): one

@@ -21,6 +21,7 @@ from gitrun.adapter import sandbox
 from gitrun.adapter.environment import Approval, Environment, Observation
 from gitrun.adapter.exec_step import ExecContext, ExecRefused, ToolContext
 from gitrun.adapter.gate import Gate
+from gitrun.adapter.gitview import GitView
 from gitrun.adapter.sandbox import CommandCannotStart, Confinement
 from gitrun.adapter.shell import Hidden
 from gitrun.core import faults
@@ -36,6 +37,7 @@ from gitrun.core.records import (
     Event,
     Precondition,
     Receipt,
+    ReviewCase,
     RunState,
     new_key,
 )
@@ -43,6 +45,7 @@ from gitrun.core.task import Task
 from gitrun.engine import riding
 from gitrun.engine.agents import Finish, ScriptAgent
 from gitrun.engine.approvals import Approvals, clear_inbox
+from gitrun.engine.crashes import Crash, CrashLog, is_crash
 from gitrun.engine.verifier import Secrets, VerifierResult, verify_tree
 from gitrun.store import gitstore
 from gitrun.store.checkpoint import CheckpointStore
@@ -197,12 +200,47 @@ class Runtime:
         A write not yet made is gated again first, against its precondition tree (and,
         inside the adapter, against the disk as it is now): a policy rejection abandons
         it, drift on disk refuses and leaves it pending for after the human's fix.
+
+        An intent that crashed gitrun twice at the same point is not tried again: the run
+        goes to review (:mod:`gitrun.engine.crashes`).
         """
+        p = self.state.pending
+        if p is not None and self.state.phase == RUNNING:
+            crash = self.crash_log().repeated(p.key)
+            if crash is not None:
+                self._review_crash(crash)
+                return
         try:
             self._execute_pending()
-        except BaseException:
+        except BaseException as exc:
             riding.land_after_failure(self)  # a refusal leaves the intent pending, durable
+            if p is not None and is_crash(exc):
+                self.crash_log().record(p.key, exc)
             raise
+
+    def crash_log(self) -> CrashLog:
+        """The run's crash record, in the worktree's git dir."""
+        return CrashLog(self.env.wt.path)
+
+    def _review_crash(self, crash: Crash) -> None:
+        """Freeze the run for a human: its pending step crashed gitrun ``crash.count``
+        times at one point; the error is in the review case and the chain."""
+        s = self.state
+        p = s.pending
+        if p is None:
+            raise GitrunError("no pending step to review")
+        reason = (
+            f"step {p.key} ({p.action.summary()}) crashed gitrun {crash.count} times at "
+            f"{crash.point}: {crash.error}; it is not tried again: decide replan (the agent "
+            "proposes again, the key is quarantined) or abort"
+        )
+        at = time.time()
+        head = str(self.env.head().id)
+        case = ReviewCase(p.action, p.key, p.intent_digest, "", None, "", head, reason, at)
+        facts = {"key": p.key, "point": crash.point, "error": crash.error, "count": crash.count}
+        frozen = replace(s, phase=NEEDS_REVIEW, stop_reason="step_crashed", review=case)
+        self.commit(frozen.with_events(Event("step_crashed", at, facts)))
+        self.say(f"review needed for {p.key}: {reason}; run frozen")
 
     def _execute_pending(self) -> None:
         s = self.state
@@ -256,7 +294,12 @@ class Runtime:
         """How an exec step runs: confined as the verifier is, the lease kept renewed."""
         hide = self._secrets()
         renew = lambda: self.lease.maybe_renew(self.state.generation)  # noqa: E731
-        return ExecContext(self.gate, self._confinement(), Hidden(hide.dirs, hide.files), renew)
+        view = GitView(
+            self.state.env.base_commit, self.env.branch.removeprefix("refs/heads/"),
+            gitstore.common_dir(self.env.repo) / "objects", Path(self.env.wt.path),
+        )  # fmt: skip
+        hidden = Hidden(hide.dirs, hide.files)
+        return ExecContext(self.gate, self._confinement(), hidden, renew, git=view)
 
     def _abandon(self, exc: GateRejected) -> None:
         """Drop a pending action the gate refuses at execute time (the machine's

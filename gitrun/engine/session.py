@@ -1,6 +1,6 @@
 """Agent sessions: an agent in any language drives one run over JSON-RPC 2.0 lines.
 
-The session is the run's agent (DESIGN.md §10). Each mutating request becomes one gated
+The session is the run's agent (docs/design.md §4). Each mutating request becomes one gated
 step through the runtime's public methods: ``step()`` persists the intent (with the
 client's idempotency key when it brings one), ``execute_pending()`` makes the fenced
 write and records the receipt (it rides in the next checkpoint; the session's end writes

@@ -2,7 +2,7 @@
 generation, resolved to the tree the new step restores.
 
 History is never rewritten: a rewind is one more gated write whose receipt commit has
-the target's tree (DESIGN.md §3), so the audit trail keeps the steps it undoes.
+the target's tree (docs/design.md §6), so the audit trail keeps the steps it undoes.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from gitrun.core.errors import Frozen, GateRejected, GitrunError, ReceiptConflict
+from gitrun.core.git_names import ref_component_problem
 from gitrun.core.records import EXEC, Action, Receipt, RunState
 from gitrun.engine import jsonrpc
 from gitrun.engine.jsonrpc import INVALID_PARAMS, RpcError
@@ -30,6 +31,7 @@ PARAMS: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
         "command": ((str, list), True),
         "cwd": (str, False),
         "timeout_seconds": ((int, float), False),
+        "env": (dict, False),
         "idempotency_key": (str, False),
     },
     "run_tests": {},
@@ -54,13 +56,19 @@ def receipt_json(receipt: Receipt, *, replayed: bool | None = None) -> dict[str,
 
 
 def check_key(key: object) -> str | None:
-    """A client idempotency key: None, or a string of gitrun's key syntax (else -32602)."""
+    """A client idempotency key: None, or a string of gitrun's key syntax that is also a
+    valid ref name component (``git check-ref-format``: it names the key's receipt ref),
+    else -32602."""
     if key is None:
         return None
-    if not isinstance(key, str) or not _KEY.match(key) or ".." in key or key.endswith(".lock"):
+    if not isinstance(key, str) or not _KEY.match(key):
+        raise RpcError(INVALID_PARAMS, f"idempotency_key must match {KEY_PATTERN}")
+    problem = ref_component_problem(key)
+    if problem is not None:
         raise RpcError(
             INVALID_PARAMS,
-            f"idempotency_key must match {KEY_PATTERN} (no '..', not ending in .lock)",
+            f"idempotency_key {key!r} {problem}, so it is no valid git ref name; choose a key "
+            f"matching {KEY_PATTERN} that does not end in '.' or '.lock' nor holds '..'",
         )
     return key
 
@@ -86,11 +94,24 @@ def exec_action(params: dict[str, Any]) -> Action:
     """The ``exec`` action of a request: a ``bash -c`` string or an argv list."""
     command, cwd, timeout = params["command"], params.get("cwd"), params.get("timeout_seconds")
     seconds = None if timeout is None else float(timeout)
+    set_env = _set_env(params.get("env"))
     if isinstance(command, list):
         if not command or not all(isinstance(a, str) for a in command):
             raise RpcError(INVALID_PARAMS, "exec: command must be a string or a list of strings")
-        return Action(EXEC, argv=tuple(command), cwd=cwd, timeout_seconds=seconds)
-    return Action(EXEC, command=command, cwd=cwd, timeout_seconds=seconds)
+        return Action(EXEC, argv=tuple(command), cwd=cwd, timeout_seconds=seconds, set_env=set_env)
+    return Action(EXEC, command=command, cwd=cwd, timeout_seconds=seconds, set_env=set_env)
+
+
+def _set_env(env: dict[str, Any] | None) -> tuple[str, ...] | None:
+    """``exec``'s ``env`` object as the action's sorted ``NAME=value`` pairs (None: none)."""
+    if not env:
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise RpcError(INVALID_PARAMS, "exec: env must map variable names to strings")
+    bad = next((k for k in sorted(env) if not k or "=" in k), None)
+    if bad is not None:
+        raise RpcError(INVALID_PARAMS, f"exec: env: {bad!r} is not a variable name")
+    return tuple(f"{k}={env[k]}" for k in sorted(env))
 
 
 def error_of(exc: GitrunError, state: RunState) -> RpcError:

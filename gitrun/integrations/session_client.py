@@ -10,6 +10,7 @@ lease generation, and the client has reaped the child before it takes over.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -21,6 +22,18 @@ from typing import IO, Any
 from gitrun.engine.jsonrpc import Eof, Timeout, Transport
 
 RESULT_CODES = {0: "done", 1: "failed", 3: "frozen for a human", 8: "left by its agent"}
+
+
+def step_key(prefix: str, position: int, previous: str, params: dict[str, Any]) -> str:
+    """A restart-safe idempotency key (docs/protocol.md, "Keys that make a restart free"):
+    the request's position in this client's sequence, chained to the previous key and the
+    request's parameters. A client started again that asks the same things in the same
+    order makes the same keys (answered ``replayed``, nothing re-run); a different request
+    gets a new key — a new step, never a receipt conflict."""
+    asked = {k: v for k, v in params.items() if k != "idempotency_key"}
+    chain = {"previous": previous, "params": asked}
+    body = json.dumps(chain, sort_keys=True, separators=(",", ":"))
+    return f"{prefix}-{position:05d}-{hashlib.sha256(body.encode()).hexdigest()[:16]}"
 
 
 class SessionRefused(Exception):
@@ -54,10 +67,15 @@ class SessionOptions:
     max_restarts: int = 3
     gitrun: list[str] = field(default_factory=lambda: [sys.executable, "-m", "gitrun"])
     env: dict[str, str] | None = None  # the child's environment (default: this process's)
+    isolation: str | None = None  # --isolation (default: the task's)
+    takeover_after: float | None = None  # the first start's --takeover-after (an agent
+    # started again after a crash need not wait for the dead gitrun's lease to expire)
 
     def common(self) -> list[str]:
         """The options every gitrun command of this run takes."""
         out = ["--lease-seconds", str(self.lease_seconds)]
+        if self.isolation is not None:
+            out += ["--isolation", self.isolation]
         if self.workspace is not None:
             out += ["--workspace", str(self.workspace)]
         if self.key_file is not None:
@@ -84,6 +102,8 @@ class SessionClient:
     def _start_argv(self) -> list[str]:
         o = self.options
         argv = ["session", str(o.task_dir), "--run-id", o.run_id, *o.common()]
+        if o.takeover_after is not None:
+            argv += ["--takeover-after", str(o.takeover_after)]
         return argv + (["--repo", str(o.repo)] if o.repo is not None else [])
 
     def _resume_argv(self) -> list[str]:

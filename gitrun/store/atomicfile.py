@@ -58,6 +58,10 @@ class AtomicFile:
         self._fd = fd
         self.temp_path = directory / temp_name
 
+    def fileno(self) -> int:
+        """The temp file's descriptor (to size or place bytes in it before it is published)."""
+        return self._fd
+
     def write(self, data: bytes) -> None:
         """Write all of ``data`` (``os.write`` may write less than asked)."""
         view = memoryview(data)
@@ -119,6 +123,41 @@ def atomic_write(
     """Write ``data`` to ``path`` atomically and durably (:func:`atomic_file`)."""
     with atomic_file(path, mode=mode, exclusive=exclusive, parent_mode=parent_mode) as fh:
         fh.write(data)
+
+
+def replace_in(dfd: int, name: str, data: bytes, *, mode: int = 0o644, sync: bool = True) -> None:
+    """Write ``data`` whole as ``name`` in the directory ``dfd`` (one the caller walked to
+    without following a link): a fresh ``O_EXCL | O_NOFOLLOW`` temp file beside it,
+    written, renamed over it; fsynced with the directory unless ``sync`` is False (the
+    caller makes the whole filesystem durable itself: a recovery ends with a ``syncfs``).
+    On any error the temp file is removed and the target left as it was."""
+    fd, temp = _create_temp(dfd, name, mode)
+    renamed = False
+    try:
+        try:
+            AtomicFile(fd, Path("."), temp).write(data)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        renamed = True
+    finally:
+        if not renamed:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp, dir_fd=dfd)
+    if sync:
+        os.fsync(dfd)
+
+
+def replace_unsynced(path: Path, data: bytes, *, mode: int = 0o600) -> None:
+    """Write ``data`` whole as ``path`` for what need not survive a power cut (a cache, a
+    note a crash may lose): as :func:`replace_in`, never through a planted link, no fsync."""
+    dfd = os.open(path.parent, _DIR_FLAGS)
+    try:
+        replace_in(dfd, path.name, data, mode=mode, sync=False)
+    finally:
+        os.close(dfd)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from gitrun.core import trailer
 from gitrun.core.errors import CasFailed, CheckpointRejected, GitrunError, InvalidState
 from gitrun.core.records import RunState
 from gitrun.core.validate import validate_state
-from gitrun.store import gitstore, refmove
+from gitrun.store import gitstore, refmove, sshsig
 from gitrun.store.checkpoint_verify import (
     CommitParts,
     ref_gone,
@@ -35,7 +35,7 @@ from gitrun.store.checkpoint_verify import (
 from gitrun.store.checkpoint_verify import message as checkpoint_message
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, fence_guard
-from gitrun.store.ledmove import Lead
+from gitrun.store.refmove import Lead
 from gitrun.store.witness import Mark, Witness, admit
 
 SIGNER = pygit2.Signature("gitrun", "gitrun@localhost", 0, 0)
@@ -137,9 +137,16 @@ class CheckpointStore:
         parent = str(expected) if expected is not None else ""
         key_id, mac = self.keyring.sign(signed_bytes(ref, parent, payload))
         message = checkpoint_message(state, payload, key_id, mac)
-        parents = [expected] if expected is not None else []
-        oid: pygit2.Oid = self.repo.create_commit(
-            None, SIGNER, SIGNER, message.decode(), self.empty_tree(), parents
+        parents: list[str | pygit2.Oid] = [expected] if expected is not None else []
+        # (typed Oid in pygit2's stubs, a str at run time: the commit's text)
+        content = str(
+            self.repo.create_commit_string(
+                SIGNER, SIGNER, message.decode(), self.empty_tree(), parents
+            )
+        )
+        # also an SSH signature, so stock git verifies it without the keyring
+        oid: pygit2.Oid = self.repo.create_commit_with_signature(
+            content, sshsig.sign_commit(self.keyring, content)
         )
         return oid
 

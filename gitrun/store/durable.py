@@ -10,8 +10,8 @@ a write step makes five objects. Instead, every :class:`pygit2.Repository` gitru
 writes its new objects unsynced into the repository's *stage* (``<common dir>/gitrun/
 stage/``, a loose-object store added to the odb ahead of the real one, so they read back
 at once; git itself never looks there, and no ref names a staged object). The one ref
-compare-and-swap path (:func:`gitrun.store.gitstore.update_ref`) then runs one barrier
-for all the objects its new value reaches:
+compare-and-swap path (:mod:`gitrun.store.refmove`, which publishes staged objects and
+runs the barrier) then runs one barrier for all the objects its new value reaches:
 
 1. the staged objects the new value reaches are found by comparing it with the ref's
    old value (only changed tree entries are followed: the cost is the change's, not
@@ -91,7 +91,8 @@ def attach_stage(repo: pygit2.Repository, cdir: Path) -> None:
     repo.odb.add_backend(backend, STAGE_PRIORITY)
 
 
-def _stage_of(cdir: Path) -> str:
+def stage_of(cdir: Path) -> str:
+    """The stage's directory (a string: every move asks)."""
     return _stages.get(cdir) or f"{cdir}/{STAGE_DIR}"
 
 
@@ -101,7 +102,7 @@ def staged_closure(
     """The staged objects ``new`` reaches, found by comparing it with ``old`` (what the ref
     held): only changed entries are followed, so the cost is the change's, not the tree's.
     An object not in the stage is published already, and so is everything it reaches."""
-    staged = _Stage(_stage_of(cdir))
+    staged = _Stage(stage_of(cdir))
     out: list[str] = []
     todo: list[tuple[pygit2.Oid, pygit2.Oid | None]] = [(new, old)]
     seen: set[pygit2.Oid] = set()
@@ -161,7 +162,7 @@ def _children(
 
 def read_staged(cdir: Path, objects: list[str]) -> list[tuple[bytes, bytes]]:
     """Each staged object's raw id and loose-file bytes, for the journal."""
-    stage = _stage_of(cdir)
+    stage = stage_of(cdir)
     out = []
     for hexid in objects:
         fd = os.open(f"{stage}/{hexid[:2]}/{hexid[2:]}", os.O_RDONLY | os.O_CLOEXEC)
@@ -175,38 +176,11 @@ def read_staged(cdir: Path, objects: list[str]) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def publish(cdir: Path, objects: list[str]) -> None:
-    """Rename staged objects to their real names in ``objects/`` (no sync: the caller
-    made their bytes durable first, by the journal or by a ``syncfs``)."""
-    stage, published = _stage_of(cdir), f"{cdir}/objects"
-    for hexid in objects:
-        fan, name = hexid[:2], hexid[2:]
-        source, target = f"{stage}/{fan}/{name}", f"{published}/{fan}/{name}"
-        try:
-            os.rename(source, target)
-        except FileNotFoundError:
-            if os.path.exists(source):  # the fan-out directory is new
-                Path(published, fan).mkdir(exist_ok=True)
-                os.rename(source, target)
-            # else another writer published it at this moment: it is in objects/ now
-
-
-def barrier(repo: pygit2.Repository, cdir: Path, objects: list[str]) -> None:
-    """Steps 1 and 2 of the protocol above for the staged ``objects`` a move names:
-    everything written so far durable, then every one of them durable under its real
-    name. The caller then moves its ref (step 3)."""
-    sync_filesystem(cdir)
-    if not objects:
-        return
-    publish(cdir, objects)
-    sync_filesystem(cdir)
-
-
 __all__ = [
+    "STAGE_DIR",
     "attach_stage",
-    "barrier",
-    "publish",
     "read_staged",
+    "stage_of",
     "staged_closure",
     "sync_filesystem",
     "watch",

@@ -7,8 +7,7 @@ offset table) locates an object; its pack entry is inflated, and an offset or re
 is applied on its base, chain by chain. Nothing here is trusted: the caller hashes what
 comes out and compares it with the id asked for, and anything malformed, oversized or
 unknown (another index version, a delta chain deeper than git ever writes) raises
-:class:`~gitrun.store.gitread.Unsupported`, upon which pygit2 answers instead. Loaded
-only when an object is not loose (a sandbox's run never needs it).
+:class:`Unsupported`, upon which pygit2 answers instead.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ import struct
 import zlib
 from collections.abc import Callable
 
-from gitrun.store.gitread import Unsupported
-
-__all__ = ["PackSet"]
+__all__ = ["PackSet", "Unsupported"]
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -38,6 +35,10 @@ _CACHE = 128  # resolved bases kept per pack (trees of one walk share them)
 
 
 Lookup = Callable[[str], tuple[bytes, bytes]]
+
+
+class Unsupported(Exception):
+    """The pure-Python reader cannot answer exactly as libgit2 would: ask pygit2."""
 
 
 class PackSet:

@@ -25,18 +25,11 @@ import stat
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gitrun.core.git_trailers import message_trailers
-
-if TYPE_CHECKING:
-    from gitrun.store.gitpack import PackSet
+from gitrun.store.gitpack import PackSet, Unsupported
 
 __all__ = ["Commit", "GitReader", "TreeEntry", "Unsupported"]
-
-
-class Unsupported(Exception):
-    """This reader cannot answer exactly as libgit2 would: ask pygit2."""
 
 
 _OID = re.compile(rb"[0-9a-f]{40}")
@@ -275,8 +268,6 @@ class GitReader:
     def _packed(self, oid: str) -> tuple[bytes, bytes]:
         """``oid`` from the packs (not hashed yet); Unsupported when no pack has it."""
         if self._packs is None:
-            from gitrun.store.gitpack import PackSet
-
             fd = self._open(["objects", "pack"], _DIR)
             if fd is None:
                 raise Unsupported(f"object {oid} is neither loose nor packed")

@@ -27,6 +27,8 @@ backend, so each step has exactly one commit point and everything else is derive
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pygit2
@@ -111,3 +113,34 @@ def write_blob(repo: pygit2.Repository, data: bytes) -> pygit2.Oid:
     """Write one blob object (staged: durable with the next ref move, which names it)."""
     oid: pygit2.Oid = repo.create_blob(data)
     return oid
+
+
+# -- durability the callers above the store ask for (docs/design.md §5, §6) --------------
+# The adapter and the app reach the journal, its recovery and the barrier only through
+# these (tests/test_seams.py): what they mean, not how the store does it.
+
+
+def sync_all(repo: pygit2.Repository) -> None:
+    """Everything written so far on the repository's filesystem durable now (a ``syncfs``):
+    for writes no journal record covers (a new worktree's files, files put back on disk
+    for a branch that moved in an earlier process, an exec step's tree restored)."""
+    durable.sync_filesystem(common_dir(repo))
+
+
+@contextlib.contextmanager
+def covering(repo: pygit2.Repository) -> Iterator[None]:
+    """Files the block writes unsynced after a ref move it makes (a step's worktree files)
+    are as durable as that move (:func:`gitrun.store.journal.covering`)."""
+    with journal.covering(common_dir(repo)):
+        yield
+
+
+def power_cut_branches(repo: pygit2.Repository) -> dict[str, str | None]:
+    """Branch -> the commit it held before writes a power cut took and recovery put back
+    (None: the branch was new); empty when no recovery left a note."""
+    return journal_recovery.recovered_branches(common_dir(repo))
+
+
+def power_cut_repaired(repo: pygit2.Repository, branch: str) -> None:
+    """The worktree of ``branch`` is repaired and synced: drop the recovery's note."""
+    journal_recovery.clear_recovered(common_dir(repo), branch)

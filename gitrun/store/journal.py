@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import struct
 import threading
 import zlib
@@ -55,30 +54,29 @@ from pathlib import Path
 
 from gitrun.core.errors import StorageFailed
 from gitrun.store import oslock
-from gitrun.store.atomicfile import fsync_dir
+from gitrun.store.atomicfile import atomic_file
 from gitrun.store.journal_format import (  # the format's names are the journal's too
-    _REC,
-    _REC_MAGIC,
     HEADER,
+    JOURNAL_FILE,
+    REC,
+    REC_MAGIC,
     RefEntry,
     Replay,
     Tail,
-    _align,
-    _header,
+    align,
     decode,
     encode,
+    header,
     read_header,
     records,
 )
 
-JOURNAL_FILE = "gitrun/journal"
 LOCK_FILE = "gitrun/locks/journal.flock"
 LOCK_SECONDS = 30.0  # as a ref's OS lock (gitrun.store.reflocks)
 SIZE = 4 << 20
 SIZE_VAR = "GITRUN_JOURNAL_BYTES"  # a new journal's size (tests shrink it to rotate often)
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 TEST_BOOT_VAR = "GITRUN_TEST_BOOT_ID"  # the power-loss tests' reboot; see tests/test_journal.py
-REF_NAME = re.compile(r"refs/[A-Za-z0-9._/@+-]{1,1000}")
 
 
 _fds: dict[Path, int] = {}
@@ -140,24 +138,15 @@ def _open(cdir: Path) -> int:
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A fresh name, created exclusively: never a file (a hard link) planted in its place.
-    temp = path.with_name(f".journal.tmp-{os.urandom(8).hex()}")
-    fd = os.open(temp, flags | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        size = max(HEADER * 4, int(os.environ.get(SIZE_VAR) or SIZE))
-        os.posix_fallocate(fd, 0, size)  # no room: refused now, not at a later record
-        _zero_fill(fd, size)
-        os.pwrite(fd, _header(_random_epoch(), boot_id()), 0)
-        os.fsync(fd)
-        # One journal, even when processes race to create it: a loser uses the winner's.
-        with contextlib.suppress(FileExistsError):
-            os.link(temp, path)
-        os.close(fd)
-        fd = os.open(path, flags)
-        fsync_dir(path.parent)
-    finally:
-        temp.unlink(missing_ok=True)
-    return fd
+    # Made aside and linked in exclusively (the one atomic file path): never a file (a
+    # hard link) planted in its place, and one journal even when processes race to make
+    # it (a loser's link fails; it uses the winner's).
+    size = max(HEADER * 4, int(os.environ.get(SIZE_VAR) or SIZE))
+    with contextlib.suppress(FileExistsError), atomic_file(path, mode=0o600, exclusive=True) as fh:
+        os.posix_fallocate(fh.fileno(), 0, size)  # no room: refused now, not at a record
+        _zero_fill(fh.fileno(), size)
+        os.pwrite(fh.fileno(), header(_random_epoch(), boot_id()), 0)
+    return os.open(path, flags)
 
 
 def _zero_fill(fd: int, size: int) -> None:
@@ -228,7 +217,7 @@ def _new_epoch(cdir: Path, fd: int) -> None:
 
     durable.sync_filesystem(cdir)
     epoch = _random_epoch()
-    _write(cdir, fd, _header(epoch, boot_id()), 0)
+    _write(cdir, fd, header(epoch, boot_id()), 0)
     _tails[cdir] = Tail(epoch, 0, HEADER)
 
 
@@ -255,20 +244,20 @@ def recording(
     payload = encode(objects, refs)
     with _locked(cdir) as fd:
         tail = _tail(cdir, fd)
-        if tail.offset + _REC.size + len(payload) > _sizes[cdir]:
+        if tail.offset + REC.size + len(payload) > _sizes[cdir]:
             _new_epoch(cdir, fd)
             tail = _tails[cdir]
-        head = struct.pack("<IQQI", _REC_MAGIC, tail.epoch, tail.seq, len(payload))
+        head = struct.pack("<IQQI", REC_MAGIC, tail.epoch, tail.seq, len(payload))
         crc = zlib.crc32(head + payload)
         _write(cdir, fd, head + crc.to_bytes(4, "little") + payload, tail.offset)
-        end = _align(tail.offset + _REC.size + len(payload))
+        end = align(tail.offset + REC.size + len(payload))
         _tails[cdir] = Tail(tail.epoch, tail.seq + 1, end)
         yield
 
 
 def fits(cdir: Path, size: int) -> bool:
     """A move of ``size`` bytes of objects goes through the journal (else the barrier)."""
-    return size + _REC.size <= _sizes.get(cdir, SIZE) // 4
+    return size + REC.size <= _sizes.get(cdir, SIZE) // 4
 
 
 def _write(cdir: Path, fd: int, data: bytes, offset: int) -> None:
@@ -356,6 +345,7 @@ os.register_at_fork(after_in_child=forget)
 
 __all__ = [
     "HEADER",
+    "JOURNAL_FILE",
     "RefEntry",
     "Replay",
     "Tail",

@@ -6,16 +6,19 @@ Pure functions of bytes and a descriptor's reads: no lock, no state."""
 from __future__ import annotations
 
 import os
+import re
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 HEADER = 4096
+JOURNAL_FILE = "gitrun/journal"  # under the common dir
+REF_NAME = re.compile(r"refs/[A-Za-z0-9._/@+-]{1,1000}")  # a name recovery may restore
 _MAGIC = b"GITRUNJ1"
 _HEAD = struct.Struct("<8sQ36sI")  # magic, epoch, boot id, crc32
-_REC = struct.Struct("<IQQII")  # magic, epoch, seq, payload length, crc32
-_REC_MAGIC = 0x4A525447
+REC = struct.Struct("<IQQII")  # magic, epoch, seq, payload length, crc32
+REC_MAGIC = 0x4A525447
 _ZERO = b"\0" * 20
 
 
@@ -44,7 +47,7 @@ class Replay:
     values: dict[str, set[bytes | None]] = field(default_factory=dict)  # every old and new
 
 
-def _header(epoch: int, boot: str) -> bytes:
+def header(epoch: int, boot: str) -> bytes:
     raw = boot.encode("ascii", "replace")[:36].ljust(36, b"\0")
     crc = zlib.crc32(_MAGIC + epoch.to_bytes(8, "little") + raw)
     return _HEAD.pack(_MAGIC, epoch, raw, crc).ljust(HEADER, b"\0")
@@ -64,23 +67,23 @@ def records(fd: int, epoch: int, start: Tail, limit: int = 0) -> Iterator[tuple[
     """The valid records from ``start`` on, each with the tail after it."""
     seq, offset = start.seq, start.offset
     limit = limit or os.fstat(fd).st_size
-    while offset + _REC.size <= limit:
-        raw = os.pread(fd, _REC.size, offset)
-        if len(raw) < _REC.size:
+    while offset + REC.size <= limit:
+        raw = os.pread(fd, REC.size, offset)
+        if len(raw) < REC.size:
             return
-        magic, rec_epoch, rec_seq, length, crc = _REC.unpack(raw)
-        if magic != _REC_MAGIC or rec_epoch != epoch or rec_seq != seq:
+        magic, rec_epoch, rec_seq, length, crc = REC.unpack(raw)
+        if magic != REC_MAGIC or rec_epoch != epoch or rec_seq != seq:
             return
-        if offset + _REC.size + length > limit:
+        if offset + REC.size + length > limit:
             return
-        payload = os.pread(fd, length, offset + _REC.size)
+        payload = os.pread(fd, length, offset + REC.size)
         if len(payload) != length or zlib.crc32(raw[:24] + payload) != crc:
             return
-        seq, offset = seq + 1, _align(offset + _REC.size + length)
+        seq, offset = seq + 1, align(offset + REC.size + length)
         yield Tail(epoch, seq, offset), payload
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return (n + 7) & ~7
 
 

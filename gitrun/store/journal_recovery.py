@@ -12,14 +12,25 @@ import contextlib
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import stat
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from gitrun.store import durable, journal
+from gitrun.store import durable
+from gitrun.store.atomicfile import replace_in
+from gitrun.store.journal_format import (
+    HEADER,
+    JOURNAL_FILE,
+    REF_NAME,
+    RefEntry,
+    Replay,
+    Tail,
+    decode,
+    read_header,
+    records,
+)
 
 RECOVERED_DIR = "gitrun/recovered"  # a note per branch to repair, until its run's resume
 restored: dict[Path, list[str]] = {}  # refs the last recovery set, for their stale locks
@@ -28,10 +39,10 @@ restored: dict[Path, list[str]] = {}  # refs the last recovery set, for their st
 def recover(cdir: Path, fd: int, epoch: int) -> None:
     """Another boot's journal: put back every object and ref it holds (see the module
     docstring). Runs under the journal's lock, before this process reads a ref."""
-    replay = journal.Replay()
-    for _, payload in journal.records(fd, epoch, journal.Tail(epoch, 0, journal.HEADER)):
+    replay = Replay()
+    for _, payload in records(fd, epoch, Tail(epoch, 0, HEADER)):
         try:
-            journal.decode(payload, replay)
+            decode(payload, replay)
         except (ValueError, UnicodeDecodeError):
             break  # a well-checksummed record gitrun cannot read: stop trusting the rest
     for oid, data in replay.objects.items():
@@ -91,24 +102,15 @@ def _directory(cdir: Path, rel: str, *, create: bool) -> Iterator[int | None]:
 
 
 def _write_inside(cdir: Path, rel: str, data: bytes) -> bool:
-    """Put ``data`` at ``cdir/rel`` (a fresh temp file renamed over it), never through a
-    link; False when one is in the way or the write fails."""
+    """Put ``data`` at ``cdir/rel`` through the one atomic file path (a fresh temp file
+    renamed over it), never through a link; False when one is in the way or it fails."""
     parent, _, name = rel.rpartition("/")
     with _directory(cdir, parent, create=True) as dfd:
         if dfd is None or not name:
             return False
-        temp = f".{name}.recover-{secrets.token_hex(8)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(temp, flags, 0o644, dir_fd=dfd)
-            try:
-                os.write(fd, data)  # a loose object or a ref: a few kilobytes at most
-            finally:
-                os.close(fd)
-            os.replace(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        try:  # a loose object or a ref: a few kilobytes at most
+            replace_in(dfd, name, data, sync=False)  # the recovery ends with a syncfs
         except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=dfd)
             return False
     return True
 
@@ -127,17 +129,20 @@ def take_restored(cdir: Path) -> list[str]:
     return restored.pop(cdir, [])
 
 
-def contents(cdir: Path) -> journal.Replay:
+def contents(cdir: Path) -> Replay:
     """What the journal of ``cdir`` holds now (its epoch's records, folded): what a power
     cut at this instant could take from the names and what recovery would put back."""
-    fd = os.open(cdir / journal.JOURNAL_FILE, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(cdir / JOURNAL_FILE, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        replay = journal.Replay()
-        head = journal.read_header(fd)
+        replay = Replay()
+        head = read_header(fd)
         if head is not None:
-            start, size = journal.Tail(head[0], 0, journal.HEADER), os.fstat(fd).st_size
-            for _, payload in journal.records(fd, head[0], start, size):
-                journal.decode(payload, replay)
+            start, size = (
+                Tail(head[0], 0, HEADER),
+                os.fstat(fd).st_size,
+            )
+            for _, payload in records(fd, head[0], start, size):
+                decode(payload, replay)
         return replay
     finally:
         os.close(fd)
@@ -167,14 +172,10 @@ def _restore_object(cdir: Path, oid: bytes, data: bytes) -> None:
 
 def _well_formed(name: str) -> bool:
     """A ref gitrun could have written: under refs/, no ``..``, not a lock file."""
-    return (
-        journal.REF_NAME.fullmatch(name) is not None
-        and ".." not in name
-        and not name.endswith(".lock")
-    )
+    return REF_NAME.fullmatch(name) is not None and ".." not in name and not name.endswith(".lock")
 
 
-def _restore_ref(cdir: Path, ref: journal.RefEntry) -> bool:
+def _restore_ref(cdir: Path, ref: RefEntry) -> bool:
     """Set a well-formed journaled ref to its last journaled value; True when that
     changed it."""
     path = cdir / ref.name
@@ -192,7 +193,7 @@ def _restore_ref(cdir: Path, ref: journal.RefEntry) -> bool:
     return _write_inside(cdir, ref.name, f"{hexid}\n".encode())
 
 
-def _moved_by_another(cdir: Path, ref: journal.RefEntry, journaled: set[bytes | None]) -> bool:
+def _moved_by_another(cdir: Path, ref: RefEntry, journaled: set[bytes | None]) -> bool:
     """Whether a branch now holds a value no gitrun move journaled and no cut can leave:
     another writer's (plain git) after the records. A power cut leaves a journaled value
     (a lost rename), an unreadable file (a torn one), or an older value the ref held (a
@@ -246,7 +247,7 @@ def _loose_ref(path: Path) -> str | None:
 
 
 def _mark_recovered(
-    cdir: Path, refs: Sequence[journal.RefEntry], first_old: dict[str, bytes | None]
+    cdir: Path, refs: Sequence[RefEntry], first_old: dict[str, bytes | None]
 ) -> None:
     """For each journaled branch: the value it had before the writes a cut may have
     taken, so the run's worktree can be brought to the recovered HEAD on those paths."""

@@ -38,6 +38,11 @@ class Keyring:
         mac = hmac.new(self._secrets[self.active], message, hashlib.sha256).hexdigest()
         return self.active, mac
 
+    def derive(self, key_id: str, label: bytes) -> bytes:
+        """HMAC-SHA256(secret of ``key_id``, ``label``): a secret for another use (the SSH
+        signing key of :mod:`gitrun.store.sshsig`) that never reveals the key's own."""
+        return hmac.new(self._secrets[key_id], label, hashlib.sha256).digest()
+
     def verify(self, key_id: str, message: bytes, mac_hex: str) -> bool | None:
         """True/False for a known key id, None when the key id is unknown."""
         secret = self._secrets.get(key_id)

@@ -74,7 +74,7 @@ def _until(expires_at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(expires_at))
 
 
-def _owner_lock_path(repo: pygit2.Repository, run_id: str, worker: str) -> Path:
+def owner_lock_path(repo: pygit2.Repository, run_id: str, worker: str) -> Path:
     name = hashlib.sha256(worker.encode()).hexdigest()[:32]
     return gitstore.common_dir(repo) / "gitrun" / "owners" / run_id / f"{name}.flock"
 
@@ -86,7 +86,7 @@ def owner_alive(repo: pygit2.Repository, run_id: str, worker: str) -> bool:
     worker dies, so a lock we can take proves that worker is gone. The short wait lets a
     concurrent probe of the same lock finish rather than pass for a live owner.
     """
-    path = _owner_lock_path(repo, run_id, worker)
+    path = owner_lock_path(repo, run_id, worker)
     path.parent.mkdir(parents=True, exist_ok=True)
     import filelock
 
@@ -135,6 +135,15 @@ def fenced(repo: pygit2.Repository, run_id: str, fence: Fence) -> Iterator[None]
         yield
 
 
+def next_version(current: Lease | None, worker: str, floor: int) -> int:
+    """The version a new lease of ``worker`` gets: the same when it holds the lease
+    already, one more on a change of owner, and always above ``floor`` when the lease ref
+    was lost or rewound below what the run's writes and checkpoints carry."""
+    if current is None or current.lease_version < floor:
+        return floor + 1
+    return current.lease_version + (0 if current.owner_worker == worker else 1)
+
+
 class LeaseManager:
     """Acquire, renew and release one run's lease for one worker."""
 
@@ -160,7 +169,7 @@ class LeaseManager:
         """
         if self._owner_lock is not None:
             return True
-        path = _owner_lock_path(self.repo, self.run_id, self.worker)
+        path = owner_lock_path(self.repo, self.run_id, self.worker)
         path.parent.mkdir(parents=True, exist_ok=True)
         import filelock
 
@@ -195,16 +204,16 @@ class LeaseManager:
         )
         self.lease, self._oid = lease, oid
 
-    def acquire(self, state_version: int, takeover_after: float | None = None) -> Lease:
+    def acquire(
+        self, state_version: int, takeover_after: float | None = None, *, floor: int = 0
+    ) -> Lease:
         """Take the lease if free, ours, expired, not renewed for ``takeover_after``
-        seconds, or held by a worker that is dead (its owner lock is free)."""
+        seconds, or held by a worker that is dead (its owner lock is free). ``floor``: the
+        highest lease version that ever wrote to the run; a lease ref deleted (or put back)
+        by hand must not start below it, or the first write would be a stale fence."""
         current, oid = self.check_takeable(takeover_after)
         now = time.time()
-        version = (
-            1
-            if current is None
-            else current.lease_version + (0 if current.owner_worker == self.worker else 1)
-        )
+        version = next_version(current, self.worker, floor)
         lease = Lease(
             1, self.run_id, self.worker, version, now + self.duration, state_version, now, now
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -210,7 +211,16 @@ def busy_error(name: str, exc: LockBusy, timeout: float) -> LeaseHeld:
     return LeaseHeld(owner, 0.0, message)
 
 
-__all__ = ["Holder", "LockBusy", "acquire", "busy_error", "flock", "read_holder", "set_worker"]
+__all__ = [
+    "Holder",
+    "LockBusy",
+    "acquire",
+    "busy_error",
+    "flock",
+    "read_holder",
+    "set_worker",
+    "unshared",
+]
 
 
 def waiting(name: str, timeout: float) -> Callable[[Holder | None], None]:
@@ -225,3 +235,26 @@ def waiting(name: str, timeout: float) -> Callable[[Holder | None], None]:
         sys.stderr.flush()
 
     return say
+
+
+def unshared(spare: str, dir_fd: int | None = None) -> bool:
+    """Whether no process has the file ``spare`` open. A spare (a ref's or a worktree
+    file's replaced file, reused in place) is written only then: a process that opened
+    it before the rename replaced it must never see the next value written into it. A
+    write lease (an OS lock on the file) is granted only on a file nobody else has open;
+    it is dropped at once (its break signal, were anyone to open it meanwhile, is one the
+    process ignores). False too where the filesystem grants no leases."""
+    try:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(spare, flags, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)  # ignored unless handled
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True

@@ -20,8 +20,8 @@ from gitrun.core.errors import EnvironmentDrift, ReceiptConflict, ReceiptDrift
 from gitrun.core.records import Receipt
 from gitrun.store import gitstore, trees
 from gitrun.store.lease import Fence, fence_guard
-from gitrun.store.ledmove import Lead
 from gitrun.store.receipt_read import branch_ref, make_receipt
+from gitrun.store.refmove import Lead
 
 
 def index_ref(run_id: str, key: str) -> str:

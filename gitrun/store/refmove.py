@@ -5,7 +5,10 @@ A move is made durable by one record in the repository's journal
 ``fdatasync``), or, for a move too large for it, by the barrier of
 :mod:`gitrun.store.durable`; then the staged objects are published and the ref's
 ``.lock`` is renamed over the ref (the commit point). The file that rename replaces is
-kept (``gitrun/spare/``) and becomes the ref's next ``.lock`` (:mod:`gitrun.store.spares`).
+kept (``gitrun/spare/``) and becomes the ref's next ``.lock`` (:func:`take_lock`).
+A move may be led by another (:class:`Lead`: a step's intent checkpoint riding with its
+write) in the same journal record; see "A move led by another" below and
+docs/design.md §4-§5.
 """
 
 from __future__ import annotations
@@ -13,21 +16,18 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pygit2
 
 from gitrun.core import faults
-from gitrun.core.errors import CasFailed, RefLocked, Refused
-from gitrun.store import durable, journal, reflog, spares
-
-if TYPE_CHECKING:
-    from gitrun.store.ledmove import Lead
-
+from gitrun.core.errors import CasFailed, GitrunError, RefLocked, Refused
+from gitrun.store import durable, journal, reflog
+from gitrun.store.oslock import unshared
 from gitrun.store.reflocks import (
     Guard,
     common_dir,
@@ -81,17 +81,16 @@ def update_ref(
 def _led(
     repo: pygit2.Repository, names: list[str], move: _Move, guards: Sequence[Guard], lead: Lead
 ) -> bool:
-    """A move led by ``lead`` (:mod:`gitrun.store.ledmove`): one record, two transactions."""
-    from gitrun.store import ledmove  # it builds on this module
-
-    first = lambda: ledmove.first(repo, move, guards, lead)  # noqa: E731
+    """A move led by ``lead`` (see "A move led by another" below): one record, two
+    transactions."""
+    first = lambda: _lead_first(repo, move, guards, lead)  # noqa: E731
     try:
         _locked(repo, [*names, lead.move.name], move.name, first)
     except NoRoom:  # one record cannot hold both: the lead first, on its own
         move_alone(repo, lead, guards)
         return _locked(repo, names, move.name, lambda: _swap(repo, move, guards), move)
     lead.renamed()  # the intent durable, nothing locked: window 2
-    return _locked(repo, names, move.name, lambda: ledmove.second(repo, move, guards), move)
+    return _locked(repo, names, move.name, lambda: _lead_second(repo, move, guards), move)
 
 
 def move_alone(repo: pygit2.Repository, lead: Lead, guards: Sequence[Guard]) -> None:
@@ -183,7 +182,7 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool
             moved = True  # from here _journaled releases the lock itself if it fails
             return _journaled(repo, cdir, move, actual, lock, objects, staged)
         entry = _entry(move.name, actual, move.new, move.message)
-        durable.barrier(repo, cdir, objects)
+        barrier(repo, cdir, objects)
         if journal.usable(cdir):  # the ref's value, so no recovery rolls it back
             with journal.recording(cdir, (), [entry]):
                 _commit_point(repo, cdir, move, actual, lock)
@@ -202,7 +201,7 @@ def take_ref_lock(cdir: Path, move: _Move) -> tuple[Path, int]:
     """``move``'s ``<ref>.lock`` taken (its spare reused where it can be) and open for its
     new value, then its ``_locked`` crash point; :class:`_LockTaken` when it exists."""
     lock = ref_lock_file(cdir, move.name)
-    fd = spares.take_lock(lock, spare_file(cdir, move.name), len(str(move.new)) + 1)
+    fd = take_lock(lock, spare_file(cdir, move.name), len(str(move.new)) + 1)
     if fd is None:
         raise _LockTaken(f"{move.name}.lock exists")
     if move.crash_prefix:
@@ -229,7 +228,7 @@ def _commit_point(
     # may cut the reflog's tail, which git fsck accepts; recovery does not rewrite it).
     reflog.append(repo, cdir, move.name, actual, move.new, move.message)
     target = cdir / move.name
-    spares.keep_replaced(target, spare_file(cdir, move.name))
+    keep_replaced(target, spare_file(cdir, move.name))
     os.rename(lock, target)
 
 
@@ -250,7 +249,7 @@ def _journaled(
         entries.append(_entry(move.follow, follower[1], move.new, "gitrun receipt index"))
     try:
         with journal.recording(cdir, staged, entries):
-            durable.publish(cdir, objects)
+            publish_staged(cdir, objects)
             _commit_point(repo, cdir, move, actual, lock)
             if move.crash_prefix:
                 faults.point(f"{move.crash_prefix}_moved")
@@ -306,7 +305,7 @@ def _lock_follower(
     nothing is left, and the caller moves the follower on its own, as before."""
     lock = ref_lock_file(cdir, name)
     try:
-        fd = spares.take_lock(lock)
+        fd = take_lock(lock)
     except OSError:
         return None
     if fd is None:
@@ -355,3 +354,261 @@ def _delete(
 
 def _hex(oid: pygit2.Oid | None) -> str | None:
     return None if oid is None else str(oid)
+
+
+# -- Objects named: the stage published ----------------------------------------------
+
+
+def publish_staged(cdir: Path, objects: list[str]) -> None:
+    """Rename staged objects to their real names in ``objects/`` (no sync: the caller
+    made their bytes durable first, by the journal or by a ``syncfs``)."""
+    stage, published = durable.stage_of(cdir), f"{cdir}/objects"
+    for hexid in objects:
+        fan, name = hexid[:2], hexid[2:]
+        source, target = f"{stage}/{fan}/{name}", f"{published}/{fan}/{name}"
+        try:
+            os.rename(source, target)
+        except FileNotFoundError:
+            if os.path.exists(source):  # the fan-out directory is new
+                Path(published, fan).mkdir(exist_ok=True)
+                os.rename(source, target)
+            # else another writer published it at this moment: it is in objects/ now
+
+
+def barrier(repo: pygit2.Repository, cdir: Path, objects: list[str]) -> None:
+    """Steps 1 and 2 of :mod:`gitrun.store.durable`'s barrier for the staged ``objects``
+    a move too large for the journal names:
+    everything written so far durable, then every one of them durable under its real
+    name. The caller then moves its ref (step 3)."""
+    durable.sync_filesystem(cdir)
+    if not objects:
+        return
+    publish_staged(cdir, objects)
+    durable.sync_filesystem(cdir)
+
+
+# -- Spare ref files ------------------------------------------------------------------
+# The file a ref's rename replaced (``<common dir>/gitrun/spare/``), kept to become that
+# ref's next ``.lock``.
+
+
+def take_lock(lock: Path, spare: str = "", size: int = 0) -> int | None:
+    """Create ``<ref>.lock`` exclusively, as git and libgit2 do, and return its open
+    descriptor (the new value is written through it); None when it exists.
+
+    With a ``spare`` (the ref's file its last move replaced, :func:`keep_replaced`) of
+    exactly ``size`` bytes, the lock is that file, linked to the lock's name (as
+    exclusive as ``O_EXCL``) and overwritten in place: a move then allocates no inode and
+    frees no block — on a filesystem mounted with ``discard`` freeing a ref's block costs
+    more than the rest of its rename. A spare some process still has open (a reader of
+    the ref's old value), or that is anything but gitrun's own single-link regular file
+    of that size (a link planted there, a hard link to someone's file, a crash's leftover
+    still linked as the ref) is never written: the lock is then created as usual.
+    """
+    if spare:
+        reused = _reuse_spare(lock, spare, size)
+        if reused != _NO_SPARE:
+            return None if reused == _TAKEN else reused
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        try:
+            return os.open(lock, flags, 0o644)
+        except FileNotFoundError:  # the ref's directory is new
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(lock, flags, 0o644)
+    except FileExistsError:
+        return None
+
+
+_NO_SPARE, _TAKEN = -1, -2
+
+
+def _reuse_spare(lock: Path, spare: str, size: int) -> int:
+    """The spare as the ref's lock (an open descriptor), :data:`_TAKEN` when the lock
+    exists, or :data:`_NO_SPARE` (nothing left behind) when the spare cannot serve."""
+    if not unshared(spare):
+        return _NO_SPARE
+    try:
+        os.link(spare, lock)
+    except FileExistsError:
+        return _TAKEN
+    except OSError:
+        return _NO_SPARE  # no spare yet (or the ref's directory is new)
+    with contextlib.suppress(OSError):
+        os.unlink(spare)
+    try:
+        # O_NONBLOCK: a FIFO swapped in after the probe would wait for a reader for ever
+        # (the ref's OS lock held), a lease taken meanwhile for its break: refused at once
+        fd = os.open(lock, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        _discard(lock)  # a link, a FIFO, a leased file: never written through
+        return _NO_SPARE
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_size != size:
+        os.close(fd)
+        _discard(lock)
+        return _NO_SPARE
+    return fd
+
+
+def _discard(lock: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(lock)
+
+
+def keep_replaced(target: Path, spare: str) -> None:
+    """Keep the ref's current file as its spare before the rename replaces it (best
+    effort: a packed or absent ref has none, a spare already kept stays)."""
+    try:
+        os.link(target, spare, follow_symlinks=False)
+    except FileNotFoundError:
+        if not os.path.lexists(target):
+            return
+        os.makedirs(os.path.dirname(spare), exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.link(target, spare, follow_symlinks=False)
+    except OSError:
+        pass
+
+
+# -- A move led by another ------------------------------------------------------------
+# A ref move led by another, both in one journal record: a step's intent checkpoint riding
+# with its write (:mod:`gitrun.engine.riding`), one ``fdatasync`` for both.
+#
+# Two transactions, each under the OS locks of every ref involved:
+#
+# 1. :func:`_lead_first`: the lead's ``.lock`` taken, the guards checked and both refs compared;
+#    one journal record holds both moves' new objects and all three values (lead, led ref,
+#    follower); the objects published, the lead renamed. Its locks are then let go: the
+#    intent is durable, no evidence of the write exists, and nothing is locked (window 2 of
+#    docs/design.md §6 looks as it always did; its crash points are passed between the two);
+# 2. :func:`_lead_second`: the led ref's ``.lock`` taken, the guards checked and the ref compared
+#    again (a writer that moved it in between wins: the record's value for it is pinned
+#    back to the real one, so no recovery completes it, and the move fails), then renamed
+#    with no sync of its own: the record holds its value (and should another process
+#    rotate the journal in between, the caller's :func:`gitrun.store.journal.covering`
+#    makes it durable with a ``syncfs``), then the follower.
+
+
+class Lead:
+    """A ref moved first, in the same journal record as the move it leads. ``moved``
+    says whether its rename happened; ``on_moved`` and the crash points ``after`` follow
+    that rename at once."""
+
+    def __init__(
+        self,
+        name: str,
+        expected: pygit2.Oid | None,
+        new: pygit2.Oid,
+        *,
+        message: str,
+        what: str,
+        crash_prefix: str,
+        after: tuple[str, ...] = (),
+    ) -> None:
+        self.move = _Move(name, expected, new, message, what, crash_prefix, cache=False)
+        self.after = after
+        self.moved = False
+        self.on_moved: Callable[[], None] | None = None
+
+    def renamed(self) -> None:
+        """Its rename happened: ``on_moved``, then its crash points."""
+        self.moved = True
+        if self.on_moved is not None:
+            self.on_moved()
+        for point in self.after:
+            faults.point(point)
+
+
+def _lead_first(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard], lead: Lead) -> None:
+    """Transaction 1 (the caller holds the OS locks): the record, the lead's rename.
+    :class:`NoRoom` when one record cannot hold both: nothing written."""
+    cdir, head = common_dir(repo), lead.move
+    lead_lock, fd = take_ref_lock(cdir, head)
+    handed = False
+    try:
+        try:
+            actual = _compare(repo, move.name, move.expected, guards, move.what)
+            was = _compare(repo, head.name, head.expected, (), head.what)
+            os.write(fd, f"{head.new}\n".encode())
+        finally:
+            os.close(fd)
+        objects: list[str] = []
+        for new, old in ((head.new, was), (move.new, actual)):
+            objects += [o for o in durable.staged_closure(repo, cdir, new, old) if o not in objects]
+        staged = durable.read_staged(cdir, objects)
+        if not journal.fits(cdir, sum(len(d) for _, d in staged)):
+            raise NoRoom
+        handed = True  # from here _recorded releases the lock itself if it fails
+        _recorded(repo, cdir, (lead, was, lead_lock), move, actual, (objects, staged))
+    finally:
+        if not handed:
+            _release(lead_lock)
+
+
+def _recorded(
+    repo: pygit2.Repository,
+    cdir: Path,
+    led: tuple[Lead, pygit2.Oid | None, Path],
+    move: _Move,
+    actual: pygit2.Oid | None,
+    objects: tuple[list[str], list[tuple[bytes, bytes]]],
+) -> None:
+    lead, was, lead_lock = led
+    known = read_ref(repo, move.follow) if move.follow else None
+    entries = [
+        _entry(lead.move.name, was, lead.move.new, lead.move.message),
+        _entry(move.name, actual, move.new, move.message),
+    ]
+    if move.follow and known != move.new:
+        entries.append(_entry(move.follow, known, move.new, "gitrun receipt index"))
+    try:
+        with journal.recording(cdir, objects[1], entries):
+            publish_staged(cdir, objects[0])
+            _commit_point(repo, cdir, lead.move, was, lead_lock)
+            lead.moved = True
+    except BaseException:
+        if lead_lock.exists():  # not renamed: nothing moved, and no recovery may move it
+            _release(lead_lock)
+            _pin(cdir, [(lead.move.name, was), (move.name, actual)])
+        raise
+    if lead.move.crash_prefix:
+        faults.point(f"{lead.move.crash_prefix}_moved")
+
+
+def _lead_second(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool:
+    """Transaction 2 (the caller holds the OS locks again): the led ref's rename, its
+    value already journaled; the follower's result (as :func:`_swap`)."""
+    cdir = common_dir(repo)
+    lock, fd = take_ref_lock(cdir, move)
+    follower = None
+    try:
+        try:
+            os.write(fd, f"{move.new}\n".encode())
+        finally:
+            os.close(fd)
+        try:
+            actual = _compare(repo, move.name, move.expected, guards, move.what)
+        except GitrunError:  # moved meanwhile (or the lease lost): the record's value goes
+            _pin(cdir, [(move.name, read_ref(repo, move.name))])
+            raise
+        follower = _lock_follower(repo, cdir, move.follow, move.new) if move.follow else None
+        _commit_point(repo, cdir, move, actual, lock)
+    except BaseException:
+        if lock.exists():
+            _release(lock)
+        if follower is not None:
+            follower[0].unlink(missing_ok=True)
+        raise
+    if move.crash_prefix:
+        faults.point(f"{move.crash_prefix}_moved")
+    if follower is not None:
+        _rename_follower(repo, cdir, move, follower)
+    return follower is not None or not move.follow
+
+
+def _pin(cdir: Path, refs: list[tuple[str, pygit2.Oid | None]]) -> None:
+    """Journal each ref's real value (its record's move never happened)."""
+    for name, value in refs:
+        with contextlib.suppress(GitrunError, OSError):  # the move's own error is the one
+            journal.pin(cdir, name, value.raw if value is not None else None)

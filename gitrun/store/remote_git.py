@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gitrun.core.errors import BadInput, RemoteUnavailable
+from gitrun.core.errors import BadInput, Refused, RemoteUnavailable
 from gitrun.store.durable import STAGE_DIR
 
 ZERO = "0" * 40
@@ -174,7 +175,21 @@ class Remote:
             what,
         )
         if proc.returncode != 0:
-            raise self.unavailable(what, _last_line(proc.stderr))
+            raise self.local_problem(proc.stderr) or self.unavailable(what, _last_line(proc.stderr))
+
+    def local_problem(self, stderr: str) -> Refused | None:
+        """A failure caused by the local repository, not the remote: a ref git cannot
+        read (a broken name, a missing object) names itself, not "remote unavailable"."""
+        found = _LOCAL_BAD_REF.search(stderr)
+        if found is None:
+            return None
+        ref = found.group(1)
+        return Refused(
+            f"the local repository {self.git_dir} holds the ref {ref}, which git cannot read "
+            "(an invalid ref name or a missing object), so git refused to fetch; the remote "
+            f"was not the problem. Remove it (git --git-dir={self.git_dir} update-ref -d "
+            f"{ref}, or delete the file under refs/) and run again"
+        )
 
     def push(self, updates: Sequence[Update], what: str = "committing") -> Rejected | None:
         """ONE atomic push of ``updates``, each leased on its expected value.
@@ -196,6 +211,11 @@ class Remote:
         if refused:
             return Rejected(refused)
         raise self.unavailable(what, _last_line(proc.stderr) or "no status from the remote")
+
+
+_LOCAL_BAD_REF = re.compile(
+    r"(?:fatal|error): (?:bad object|ignoring ref with broken name) (refs/\S+)"
+)
 
 
 def _porcelain(stdout: str) -> dict[str, tuple[str, str]]:

@@ -26,9 +26,10 @@ from gitrun.store.lease import (
     DEFAULT_DURATION,
     Lease,
     LeaseManager,
-    _owner_lock_path,
     lease_ref,
+    next_version,
     owner_alive,
+    owner_lock_path,
     read_lease,
 )
 from gitrun.store.remote import RemoteSite
@@ -54,7 +55,7 @@ class RemoteLeaseStore(LeaseManager):
 
     def _owner_dead(self, worker: str) -> bool:
         """True only for a worker that worked through this clone and whose process is gone."""
-        if not _owner_lock_path(self.repo, self.run_id, worker).exists():
+        if not owner_lock_path(self.repo, self.run_id, worker).exists():
             return False
         return not owner_alive(self.repo, self.run_id, worker)
 
@@ -76,13 +77,13 @@ class RemoteLeaseStore(LeaseManager):
     def _where(self) -> str:
         return f", lease on {self.site.url}"
 
-    def acquire(self, state_version: int, takeover_after: float | None = None) -> Lease:
+    def acquire(
+        self, state_version: int, takeover_after: float | None = None, *, floor: int = 0
+    ) -> Lease:
         """Take the lease (see the LeaseStore contract) by one leased push."""
         current, oid = self.check_takeable(takeover_after)
         now = time.time()
-        version = 1 if current is None else current.lease_version
-        if current is not None and current.owner_worker != self.worker:
-            version += 1
+        version = next_version(current, self.worker, floor)
         lease = Lease(
             1, self.run_id, self.worker, version, now + self.duration, state_version, now, now
         )

@@ -1,0 +1,209 @@
+"""What people expect of a command line: ``--version``, ``-`` for standard input, a closed
+output pipe that is no error, and shell completion they can install."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, SANDBOXES, scrub_env
+from helpers import Gitrun
+from swebench_data import BUNDLE, make_repos
+
+import gitrun as package
+
+TYPER_PATH = "import sys; from gitrun.cli import main; main(sys.argv[1:])"
+
+
+def _cli(
+    env: dict[str, str], *args: str, typer_path: bool = False, stdout: int = subprocess.PIPE
+) -> subprocess.CompletedProcess[str]:
+    """``gitrun ARGS`` through the fast entry (or the Typer app), output captured as text."""
+    head = ["-c", TYPER_PATH] if typer_path else ["-m", "gitrun"]
+    return subprocess.run([sys.executable, *head, *args], env=env, timeout=120, check=False,
+                          cwd=ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The environment of a workspace holding one run of fix-median driven to done."""
+    tmp = tmp_path_factory.mktemp("habits")
+    with pytest.MonkeyPatch.context() as mp:
+        scrub_env(mp, tmp / "home")
+        env = {**os.environ, "GITRUN_HOME": str(tmp / "ws"), "COLUMNS": "80"}
+        done = _cli(env, "run", str(SANDBOXES / "fix-median"), "--run-id", "r1", "-q")
+        assert done.returncode == 0, done.stderr
+        yield env
+
+
+@pytest.mark.parametrize("typer_path", [False, True], ids=["entry", "typer"])
+def test_version_prints_the_packages_version(finished: dict[str, str], typer_path: bool) -> None:
+    proc = _cli(finished, "--version", typer_path=typer_path)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert proc.returncode == 0
+    assert proc.stdout == f"gitrun {package.__version__}\n"
+    assert package.__version__ == project["version"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["--version"],
+        ["status", "r1"],
+        ["status", "r1", "--json"],
+        ["log", "r1"],
+        ["log", "r1", "--json"],
+        ["receipts", "r1"],
+        ["checkpoints", "r1"],
+        ["debug", "crash-points"],
+        ["log", "--help"],
+    ],
+)
+@pytest.mark.parametrize("typer_path", [False, True], ids=["entry", "typer"])
+def test_a_closed_output_pipe_ends_quietly_with_status_0(
+    finished: dict[str, str], args: list[str], typer_path: bool
+) -> None:
+    """``gitrun status RUN | true``: the reader is gone before gitrun writes a byte."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = _cli(finished, *args, typer_path=typer_path, stdout=write)
+    finally:
+        os.close(write)
+    assert proc.stderr == ""
+    assert proc.returncode == 0
+
+
+def test_a_reader_that_stops_early_is_no_error_in_a_real_shell_pipeline(
+    finished: dict[str, str],
+) -> None:
+    script = (
+        f"{sys.executable} -m gitrun debug crash-points | head -n 1 >/dev/null; "
+        'echo "status ${PIPESTATUS[0]}"'
+    )
+    proc = subprocess.run(["bash", "-c", script], env=finished, capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+    assert proc.stdout == "status 0\n"
+    assert proc.stderr == ""
+
+
+def test_a_patch_on_standard_input_runs_and_resumes_from_the_kept_copy(
+    gitrun: Gitrun,
+) -> None:
+    patch = (SANDBOXES / "fix-median" / "model.patch").read_bytes()
+    argv = gitrun.argv("run", str(SANDBOXES / "fix-median"), "--agent", "patch:-", "--run-id",
+                       "p1", "-q")  # fmt: skip
+    proc = subprocess.run(argv, input=patch, env=gitrun.env(), capture_output=True, timeout=120,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert b"run p1: done" in proc.stdout
+    record = json.loads((gitrun.home / "runs" / "p1.json").read_text())
+    kept = Path(record["agent"].removeprefix("patch:"))
+    assert kept.parent == gitrun.home / "inputs"
+    assert kept.read_bytes() == patch
+    assert kept.stat().st_mode & 0o777 == 0o600
+    again = gitrun("resume", "p1", "-q")
+    assert again.code == 0, again.err
+    assert "run p1: done" in again.out
+
+
+@pytest.mark.parametrize(
+    ("stdin", "words"),
+    [(b"", "the patch on standard input is empty"), (b"  \n", "is empty")],
+)
+def test_an_empty_patch_on_standard_input_is_one_line_and_exit_2(
+    gitrun: Gitrun, stdin: bytes, words: str
+) -> None:
+    argv = gitrun.argv("run", str(SANDBOXES / "fix-median"), "--agent", "patch:-", "-q")
+    proc = subprocess.run(argv, input=stdin, env=gitrun.env(), capture_output=True, timeout=120,
+                          check=False)  # fmt: skip
+    err = proc.stderr.decode()
+    assert proc.returncode == 2
+    assert err.startswith("gitrun: ")
+    assert len(err.splitlines()) == 1
+    assert words in err
+    assert not (gitrun.home / "runs").exists() or not list((gitrun.home / "runs").iterdir())
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Path:
+    make_repos(tmp_path / "repos")
+    shutil.copy(BUNDLE / "specs.json", tmp_path / "repos" / "gitrun-swebench.json")
+    return tmp_path
+
+
+@pytest.mark.parametrize("which", ["--dataset", "--predictions"])
+def test_swebench_reads_its_dataset_or_predictions_from_standard_input(
+    gitrun: Gitrun, world: Path, which: str
+) -> None:
+    """Empty-patch predictions: the batch reads both files and runs nothing (fast)."""
+    files = {"--dataset": BUNDLE / "instances.jsonl", "--predictions": BUNDLE / "preds-empty.jsonl"}
+    args = [x for k, v in files.items() for x in (k, "-" if k == which else str(v))]
+    argv = gitrun.argv("swebench", *args, "--repos", str(world / "repos"), "--run-id", "b",
+                       "--report-dir", str(world / "out"), "--json")  # fmt: skip
+    # the environment cache may not lie under /tmp (the sandbox replaces it): /var/tmp
+    with tempfile.TemporaryDirectory(prefix="gitrun-habits-envs-", dir="/var/tmp") as envs:
+        env = {**gitrun.env(), "GITRUN_SWEBENCH_ENVS": envs}
+        proc = subprocess.run(argv, input=files[which].read_bytes(), env=env,
+                              capture_output=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["empty_patch_instances"] == 2
+    assert report["submitted_instances"] == 2
+
+
+def test_standard_input_named_twice_is_refused_by_name(gitrun: Gitrun, world: Path) -> None:
+    argv = gitrun.argv("swebench", "--dataset", "-", "--predictions", "-", "--repos",
+                       str(world / "repos"), "--run-id", "b")  # fmt: skip
+    data = (BUNDLE / "instances.jsonl").read_bytes()
+    proc = subprocess.run(argv, input=data, env=gitrun.env(), capture_output=True, timeout=120,
+                          check=False)  # fmt: skip
+    err = proc.stderr.decode()
+    assert proc.returncode == 2
+    assert len(err.splitlines()) == 1
+    assert "--predictions -: standard input is already read for --dataset" in err
+
+
+# Typer's own switch that makes --install-completion/--show-completion take the shell's
+# name instead of detecting it from the process tree (which differs under CI).
+NAMED_SHELL = {"_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}
+
+
+def test_show_completion_prints_a_bash_script_that_completes_commands(gitrun: Gitrun) -> None:
+    shown = gitrun.run(["--show-completion", "bash"], NAMED_SHELL)
+    assert shown.code == 0, shown.err
+    assert "_GITRUN_COMPLETE=complete_bash" in shown.out
+    complete = {"_GITRUN_COMPLETE": "complete_bash", "COMP_WORDS": "gitrun sta", "COMP_CWORD": "1"}
+    asked = gitrun.run([], complete)
+    assert asked.code == 0, asked.err
+    assert asked.out.split() == ["status"]
+    options = gitrun.run([], {**complete, "COMP_WORDS": "gitrun log --js", "COMP_CWORD": "2"})
+    assert options.out.split() == ["--json"]
+
+
+def test_install_completion_adds_the_script_to_the_users_bash_setup(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    home = Path(os.environ["HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    res = gitrun.run(["--install-completion", "bash"], NAMED_SHELL)
+    assert res.code == 0, res.err
+    bashrc = (home / ".bashrc").read_text()
+    script = home / ".bash_completions" / "gitrun.sh"
+    assert str(script) in bashrc or ".bash_completions/gitrun.sh" in bashrc
+    assert "_GITRUN_COMPLETE" in script.read_text()
+
+
+def test_show_completion_for_zsh_is_zshs_script(gitrun: Gitrun) -> None:
+    shown = gitrun.run(["--show-completion", "zsh"], NAMED_SHELL)
+    assert shown.code == 0, shown.err
+    assert "#compdef gitrun" in shown.out
