@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Gitrun, git
+from conftest import SANDBOXES, Gitrun, git
+from helpers import Keys
+from session_client import Rpc
 from test_input import make_task
 
 from gitrun.core.errors import Exit
@@ -86,3 +88,62 @@ def test_a_sigkill_at_the_same_point_twice_is_still_retried(gitrun: Gitrun, task
     done = gitrun("resume", RUN)
     assert done.code == Exit.DONE, done.err
     assert len(branch_commits(gitrun)) == 1
+
+
+@pytest.mark.parametrize(
+    ("decision", "phase", "code"), [("abort", "failed", Exit.FAILED), ("replan", "done", Exit.DONE)]
+)
+def test_a_reviewer_decides_the_crash_case_and_one_resume_ends_the_run(
+    gitrun: Gitrun, task: Path, keys: Keys, decision: str, phase: str, code: int
+) -> None:
+    fail = {"GITRUN_FAIL_AT": "after_write_commit_object"}
+    assert gitrun("run", str(task), "--run-id", RUN, "-q", **fail).code == Exit.INTERNAL
+    assert gitrun("resume", RUN, **fail).code == Exit.INTERNAL
+    assert gitrun("resume", RUN, **fail).code == Exit.FROZEN
+    decided = gitrun("review", "decide", RUN, decision, "--key", str(keys["bob"]))
+    assert decided.code == 0, decided.err
+    # The crash's cause is gone (a fixed gitrun): replan proposes the step again.
+    ended = gitrun("resume", RUN, "--trust-roots", str(keys.roots))
+    assert ended.code == code, ended.err
+    assert status(gitrun)["phase"] == phase
+
+
+def test_a_session_step_crashing_twice_leaves_the_session_answering_needs_review(
+    gitrun: Gitrun,
+) -> None:
+    point = "after_write_commit_object"
+    task = str(SANDBOXES / "fix-median")
+    rpc = Rpc(gitrun, task, "--run-id", "s1", "--lease-seconds", "600", GITRUN_FAIL_AT=point)
+    rpc.call("initialize", protocol="gitrun/1")
+    err = rpc.fail("write_file", path="stats/x.py", content="x\n")
+    assert err["data"]["exit_code"] == Exit.INTERNAL
+    assert rpc.close() == Exit.INTERNAL
+    again = Rpc(
+        gitrun, "s1", command="resume", GITRUN_FAIL_AT=point
+    )  # the intent runs first: crash 2
+    assert again.close() == Exit.INTERNAL
+    third = Rpc(gitrun, "s1", command="resume", GITRUN_FAIL_AT=point)
+    seen = third.call("observe")
+    assert seen["phase"] == "needs_review"
+    assert seen["stop_reason"] == "step_crashed"
+    refused = third.fail("write_file", path="stats/y.py", content="y\n")
+    assert refused["data"]["rule"] == "needs-review"
+    assert third.close() == Exit.FROZEN
+    assert "crashed gitrun 2 times" in third.stderr()
+
+
+def test_a_verifier_step_crashing_twice_fails_the_run_with_the_error(
+    gitrun: Gitrun, task: Path
+) -> None:
+    """No pending step to review: the run ends failed, the crash as the verdict's reason."""
+    fail = {"GITRUN_FAIL_AT": "before_verify"}
+    assert gitrun("run", str(task), "--run-id", RUN, "-q", **fail).code == Exit.INTERNAL
+    assert gitrun("resume", RUN, **fail).code == Exit.INTERNAL
+    ended = gitrun("resume", RUN, **fail)
+    assert ended.code == Exit.FAILED, ended.err
+    info = status(gitrun)
+    assert info["phase"] == "failed"
+    assert info["stop_reason"] == "verifier_cannot_start"
+    shown = gitrun("log", RUN)
+    assert "crashed gitrun 2 times" in shown.out + shown.err
+    assert len(branch_commits(gitrun)) == 1  # the write stands; only the verdict failed

@@ -65,12 +65,17 @@ def assert_user_git_is_gitruns(gitrun: Gitrun) -> None:
 # -- a planted .git ----------------------------------------------------------------------
 
 FSMONITOR = "git config core.fsmonitor 'touch {flag}'"
+# An unconfined command gets the step's git view through GIT_DIR; a hostile one drops it first.
+NEW_REPO = "unset GIT_DIR GIT_WORK_TREE; rm .git && git init -q . && "
 
 
 @pytest.mark.parametrize(
     "plant",
     [
-        pytest.param("rm .git && git init -q . && " + FSMONITOR, id="repository-directory"),
+        pytest.param(
+            NEW_REPO + FSMONITOR,
+            id="repository-directory",
+        ),
         pytest.param("printf 'gitdir: /tmp\\n' > .git", id="file-naming-another-git-dir"),
         pytest.param("rm .git && ln -s geometry .git", id="symlink"),
         pytest.param("printf ' ' >> .git", id="one-byte-more"),
@@ -81,12 +86,44 @@ FSMONITOR = "git config core.fsmonitor 'touch {flag}'"
 def test_an_exec_that_replaces_the_worktrees_git_is_refused_and_gitruns_put_back(
     gitrun: Gitrun, sandbox_copy: Callable[[str], Path], tmp_path: Path, plant: str
 ) -> None:
+    """Unconfined (in bubblewrap the file is read-only: the next test), the check after
+    the command is what stands between a planted repository and the user's git."""
     flag = tmp_path / "fsmonitor-ran"
-    code, err = run_steps(gitrun, sandbox_copy, f"{plant.format(flag=flag)}; {RENAME}")
+    command = f"{plant.format(flag=flag)}; {RENAME}"
+    code, err = run_steps(gitrun, sandbox_copy, command, isolation="none")
     assert_refused_and_put_back(gitrun, code, err, "exec-dotgit")
     assert "the worktree's .git" in err
     git(worktree(gitrun), "status")  # the user's next git command
     assert not flag.exists()  # no planted hook ran outside the sandbox
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        "rm -rf .git",
+        "mv .git geometry/moved",
+        "printf 'gitdir: /tmp\\n' > .git",
+        "printf ' ' >> .git",
+        "mkdir g && mv -T g .git",
+        "ln -sfn geometry .git",
+        "chmod 000 .git",
+    ],
+)
+def test_in_bubblewrap_the_worktrees_git_file_cannot_be_changed_while_the_command_runs(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], plant: str
+) -> None:
+    """The user's shell prompt may run git status in the worktree while a long command
+    runs: a repository swapped in then would run its hooks before any check."""
+    probe = (
+        f"cp .git /tmp/orig; ({plant}) 2>/dev/null; "
+        "if cmp -s .git /tmp/orig && [ -f .git ] && [ ! -L .git ]; then "
+        "echo intact > geometry/intact.txt; fi; rm -rf g geometry/moved"
+    )
+    code, err = run_steps(gitrun, sandbox_copy, f"{probe}; {RENAME}")
+    assert code == Exit.DONE, err
+    (tip,) = commits(gitrun)
+    assert git(gitrun.repo("rename-api"), "show", f"{tip}:geometry/intact.txt").strip() == "intact"
+    assert_user_git_is_gitruns(gitrun)
 
 
 @pytest.mark.parametrize(
@@ -111,6 +148,7 @@ def test_a_git_dir_or_file_anywhere_else_in_an_execs_output_is_refused(
     "plant",
     [
         pytest.param(
+            "unset GIT_DIR GIT_WORK_TREE; "
             "mv .git /tmp/keep && git init -q . && rm -rf .git && mv /tmp/keep .git",
             id="planted-then-removed",
         ),
@@ -123,7 +161,7 @@ def test_a_git_dir_or_file_anywhere_else_in_an_execs_output_is_refused(
 def test_an_exec_that_leaves_gitruns_git_file_as_it_was_commits(
     gitrun: Gitrun, sandbox_copy: Callable[[str], Path], plant: str
 ) -> None:
-    code, err = run_steps(gitrun, sandbox_copy, f"{plant} && {RENAME}")
+    code, err = run_steps(gitrun, sandbox_copy, f"{plant} && {RENAME}", isolation="none")
     assert code == Exit.DONE, err
     assert len(commits(gitrun)) == 1
     assert_user_git_is_gitruns(gitrun)
@@ -134,16 +172,17 @@ def test_a_crash_after_a_command_planted_a_git_resumes_with_gitruns_put_back(
     gitrun: Gitrun, sandbox_copy: Callable[[str], Path], tmp_path: Path
 ) -> None:
     flag = tmp_path / "fsmonitor-ran"
-    plant = "rm .git && git init -q . && " + FSMONITOR.format(flag=flag)
+    plant = NEW_REPO + FSMONITOR.format(flag=flag)
     task = task_with(sandbox_copy, [{"command": plant}, {"command": RENAME}],
                      exec_table='allow = ["*"]')  # fmt: skip
-    res = gitrun("run", str(task), "--run-id", RUN, GITRUN_CRASH_AT="exec_done")
+    unconfined = ("--isolation", "none")
+    res = gitrun("run", str(task), "--run-id", RUN, *unconfined, GITRUN_CRASH_AT="exec_done")
     assert res.code == -9, res.err
     assert os.path.isdir(worktree(gitrun) / ".git")  # the planted repository, for now
     resumed = gitrun("resume", RUN)
-    assert resumed.code == Exit.DONE, resumed.err  # the plant refused, the rename done
-    assert "exec-dotgit" in resumed.err
-    assert len(commits(gitrun)) == 1
+    assert resumed.code == Exit.DONE, resumed.err  # the rename done
+    assert "discarded its unproven effects on .git" in resumed.err
+    assert len(commits(gitrun)) == 2  # re-run in bubblewrap: the plant fails, changes nothing
     assert_user_git_is_gitruns(gitrun)
     assert_clean_at(gitrun, branch(gitrun))
     assert not flag.exists()
@@ -324,9 +363,10 @@ def test_over_the_session_a_planted_git_and_a_huge_file_are_refused_and_the_sess
     rpc.call("initialize")
     sed = "sed -i 's/calc_area/circle_area/g' geometry/*.py"
     # the policy allows "sed -i *" only: a pattern is no boundary, the output check is
-    plant = f"{sed}; rm .git && git init -q . && {FSMONITOR.format(flag=flag)}"
+    plant = f"{sed}; {NEW_REPO}{FSMONITOR.format(flag=flag)}"
+    tried = rpc.call("exec", command=plant)  # in bubblewrap .git is read-only: rm fails
+    assert tried["exit_code"] != 0
     refusals = [
-        (plant, "exec-dotgit"),
         (f"{sed}; truncate -s 200G geometry/huge.bin", "exec-file-too-large"),
         (f"{sed}; touch geometry/$'\\xff'.py", "exec-path-encoding"),
         (f"{sed}; mkdir -p geometry/x/.git", "exec-dotgit"),
@@ -335,8 +375,9 @@ def test_over_the_session_a_planted_git_and_a_huge_file_are_refused_and_the_sess
         refused = rpc.fail("exec", command=command)
         assert refused["data"]["rule"] == rule, (command, refused)
         assert "put back" in refused["message"]
-    done = rpc.call("exec", command=sed)  # the session goes on; the same run commits
+    done = rpc.call("exec", command=f"{sed}; echo ok > geometry/ok.txt")  # the session goes on
     assert done["exit_code"] == 0
+    assert done["paths"] == ["geometry/ok.txt"]
     assert rpc.call("finish")["phase"] == "done"
     assert rpc.close() == 0
     record = json.loads((gitrun.home / "runs" / "s.json").read_text())
@@ -344,3 +385,47 @@ def test_over_the_session_a_planted_git_and_a_huge_file_are_refused_and_the_sess
     git(worktree_path, "status")
     assert not flag.exists()
     assert git(worktree_path, "status", "--porcelain", "--untracked-files=all", "--ignored") == ""
+
+
+def test_a_worktree_made_before_its_git_file_was_recorded_is_judged_by_the_admin_dir_it_names(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path]
+) -> None:
+    """Runs started by an older gitrun have no recorded .git bytes: their .git must name
+    the worktree's own admin dir (as libgit2 wrote it); a plant is refused all the same."""
+    task = task_with(sandbox_copy, [{"command": "true"}, {"command": RENAME}],
+                     exec_table='allow = ["*"]')  # fmt: skip
+    res = gitrun("run", str(task), "--run-id", RUN, GITRUN_CRASH_AT="exec_done:2")
+    assert res.code == -9, res.err
+    gitdir = Path(git(worktree(gitrun), "rev-parse", "--absolute-git-dir").strip())
+    (gitdir / "gitrun-dotgit").unlink()
+    resumed = gitrun("resume", RUN)
+    assert resumed.code == Exit.DONE, resumed.err
+    assert len(commits(gitrun)) == 2
+    assert_clean_at(gitrun, branch(gitrun))
+
+
+def test_a_git_planted_between_steps_is_named_as_such_and_never_opened(
+    gitrun: Gitrun, sandbox_copy: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """An unconfined process plants a repository while the run is stopped: resume
+    names the real cause (not "another instance") and runs none of its hooks."""
+    flag = tmp_path / "fsmonitor-ran"
+    task = task_with(sandbox_copy, [{"command": RENAME}], exec_table='allow = ["*"]')
+    res = gitrun("run", str(task), "--run-id", RUN, GITRUN_CRASH_AT="before_verify")
+    assert res.code == -9, res.err
+    wt = worktree(gitrun)
+    kept = (wt / ".git").read_bytes()
+    (wt / ".git").unlink()
+    git(wt.parent, "init", "-q", str(wt))
+    git(wt, "config", "core.fsmonitor", f"touch {flag}")
+    resumed = gitrun("resume", RUN)
+    assert resumed.code == Exit.REFUSED, resumed.err
+    assert "dotgit-replaced" in resumed.err
+    assert ".git is a directory" in resumed.err
+    assert "another instance" not in resumed.err
+    assert not flag.exists()
+    fix = resumed.err.split("Put gitrun's back (", 1)[1].rsplit(") and resume", 1)[0]
+    subprocess.run(["bash", "-c", fix], check=True)  # what the message says to do
+    assert (wt / ".git").read_bytes() == kept
+    again = gitrun("resume", RUN)
+    assert again.code == Exit.DONE, again.err

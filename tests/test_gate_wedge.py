@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 from conftest import SANDBOXES, Gitrun, git
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from session_client import Rpc
+
+from gitrun.engine import jsonrpc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -257,3 +261,32 @@ def test_an_exec_making_a_name_git_refuses_is_a_refused_step_not_a_crash(
     done = rpc.call("exec", command="sed -i s/calc_area/circle_area/g geometry/*.py")
     assert done["exit_code"] == 0  # the session goes on
     assert rpc.close() == 8
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(doc=JSON_VALUES, depth=st.integers(0, 3000), raw=st.binary(max_size=64))
+def test_parse_answers_every_line_with_a_request_or_an_rpc_error(
+    doc: object, depth: int, raw: bytes
+) -> None:
+    """Whatever the line (any JSON value, wrapped ``depth`` deep, any bytes, any lone
+    surrogate), parsing it gives a request or an RpcError: nothing else escapes."""
+    text = json.dumps(doc)
+    codes: set[int] = set()
+    for line in (
+        ("[" * depth + text + "]" * depth).encode(),
+        json.dumps({"jsonrpc": "2.0", "id": 1, "method": "observe", "params": {"x": doc}}).encode(),
+        raw,
+        text.encode("utf-8", "surrogatepass"),
+    ):
+        try:
+            jsonrpc.parse(line)
+        except jsonrpc.RpcError as err:
+            codes.add(err.code)
+    assert codes <= {-32700, -32600, -32602}

@@ -65,8 +65,9 @@ def _names_admin(data: bytes, admin: Path) -> bool:
     )
 
 
-def problem(worktree: Path, admin: Path) -> str | None:
-    """What is wrong with the worktree's ``.git`` entry (None: it is exactly gitrun's)."""
+def problem(worktree: Path, admin: Path, want: bytes | None = None) -> str | None:
+    """What is wrong with the worktree's ``.git`` entry (None: it is exactly gitrun's);
+    ``want``: :func:`expected` read before (it never changes for a worktree)."""
     try:
         st, data = _read_file(worktree / DOTGIT)
     except FileNotFoundError:
@@ -79,7 +80,7 @@ def problem(worktree: Path, admin: Path) -> str | None:
     wrong = kinds.get(stat.S_IFMT(st.st_mode), "is a special file")
     if wrong:
         return wrong
-    if data == expected(admin):
+    if data == (want if want is not None else expected(admin)):
         return None
     if data is not None and not (admin / RECORD).exists() and _names_admin(data, admin):
         return None

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -77,6 +78,7 @@ class Environment(WorktreeFiles):
         self.branch = branch_ref(run_id)
         self.task_label = task_label
         self._wt: pygit2.Repository | None = None
+        self._dotgit: bytes | None = None  # the bytes of gitrun's .git file, once read
         self.write_count = 0  # commits this process actually made (not replays)
 
     # -- creation and identity ---------------------------------------------------------
@@ -136,14 +138,17 @@ class Environment(WorktreeFiles):
     def check_dotgit(self) -> None:
         """The worktree's ``.git`` must be exactly the file gitrun made (drift otherwise)."""
         admin = Path(self.wt.path)
-        wrong = dotgit.problem(self.worktree, admin)
+        if self._dotgit is None:
+            self._dotgit = dotgit.expected(admin)
+        wrong = dotgit.problem(self.worktree, admin, self._dotgit)
         if wrong is not None:
+            path = shlex.quote(str(self.worktree / ".git"))
+            line = shlex.quote(self._dotgit.decode("utf-8", "replace").rstrip("\n"))
             raise EnvironmentDrift(
                 "dotgit-replaced",
                 f"{self.worktree / '.git'} {wrong}, not the file gitrun made; a git command "
-                f"run there would use another repository. Put gitrun's back (rm -rf "
-                f"{self.worktree / '.git'} && printf %s {dotgit.expected(admin).decode()!r} > "
-                f"{self.worktree / '.git'}) and resume",
+                f"run there would use another repository. Put gitrun's back "
+                f"(rm -rf {path} && printf '%s\\n' {line} > {path}) and resume",
             )
 
     def instance_id(self) -> str:

@@ -21,6 +21,7 @@ to the precondition tree and raises :class:`ExecRefused`; nothing is committed.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import pygit2
 
-from gitrun.adapter import dotgit, gitview, shell
+from gitrun.adapter import dotgit, gitview, sandbox, shell
 from gitrun.adapter.environment import Approval, Environment, Outcome
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import Confinement
@@ -69,6 +70,7 @@ TIMEOUT = "timeout"
 STARTED_FILE = "gitrun-exec-started"  # in the worktree's git dir: the key last started
 RUNNING_LOCK = "gitrun-exec.flock"  # ditto: held while a command of this worktree lives
 RUNNING_WAIT_SECONDS = 20.0  # the supervisor's sweep takes at most ~5 s
+FIRST_TRY_SECONDS = 2.0  # then a sandbox init left alone in its namespace is ended
 
 
 class ExecRefused(GateRejected):
@@ -326,8 +328,13 @@ def command_gone(env: Environment) -> Iterator[int]:
     knows nothing of the old command can still write to the worktree it puts back."""
     path = Path(env.wt.path) / RUNNING_LOCK
     try:
-        with oslock.flock(path, RUNNING_WAIT_SECONDS) as fd:
-            yield fd
+        fd: int | None = oslock.acquire(path, FIRST_TRY_SECONDS)
+    except oslock.LockBusy:  # a left-behind sandbox init may hold it: end those, then wait
+        sandbox.end_empty_sandboxes(path)
+        fd = None
+    try:
+        with _taken(fd, path) as held:
+            yield held
     except oslock.LockBusy as exc:
         holder = exc.holder.describe() if exc.holder else "a process that left no record"
         raise LeaseHeld(
@@ -337,6 +344,19 @@ def command_gone(env: Environment) -> Iterator[int]:
             f"{RUNNING_WAIT_SECONDS:.0f}s (its lock {path} was taken by {holder}): "
             f"find the process holding it (fuser {path}), end it, then resume",
         ) from exc
+
+
+@contextmanager
+def _taken(fd: int | None, path: Path) -> Iterator[int]:
+    """The lock already taken (``fd``), or taken now within the usual wait."""
+    if fd is None:
+        with oslock.flock(path, RUNNING_WAIT_SECONDS) as waited:
+            yield waited
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _mark_started(env: Environment, key: str) -> None:

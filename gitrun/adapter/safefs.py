@@ -147,13 +147,13 @@ def _state(dfd: int, name: str) -> State | None:
     # O_NONBLOCK: a fifo swapped in after the stat must not hang the reader
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     try:
-        data = _read_all(fd, st.st_size)
+        data = read_all(fd, st.st_size)
     finally:
         os.close(fd)
     return (EXEC if st.st_mode & stat.S_IXUSR else BLOB), data
 
 
-def _read_all(fd: int, size: int) -> bytes:
+def read_all(fd: int, size: int) -> bytes:
     """Every byte to end of file (bare reads: no file object, its fstat, ioctl, lseeks)."""
     chunks: list[bytes] = []
     while True:

@@ -171,12 +171,14 @@ class Layout:
     private_tmp: bool = True  # an empty /tmp; False: the host's, read-only (an agent's)
     shown: tuple[Path, ...] = ()  # read-only even inside ``writable`` (the verdict plugin)
     binds: tuple[tuple[Path, Path, bool], ...] = ()  # (source, destination, writable), last
+    frozen: tuple[Path, ...] = ()  # files inside ``writable`` bound read-only over themselves
 
     @classmethod
     def of(
         cls, writable: Sequence[Path], secret_dirs: Sequence[Path], secret_files: Sequence[Path],
         chdir: Path, blank: Path | None = None, *, private_tmp: bool = True,
         shown: Sequence[Path] = (), binds: Sequence[tuple[Path, Path, bool]] = (),
+        frozen: Sequence[Path] = (),
     ) -> Layout:  # fmt: skip
         """Hide a secret file's directory when nothing the tests need lives under it.
 
@@ -194,7 +196,15 @@ class Layout:
         kept = tuple(p.resolve() for p in writable)
         shown_dirs = tuple(p.resolve() for p in shown)
         return cls(
-            kept, tuple(dirs), tuple(files), chdir, blank, private_tmp, shown_dirs, tuple(binds)
+            kept,
+            tuple(dirs),
+            tuple(files),
+            chdir,
+            blank,
+            private_tmp,
+            shown_dirs,
+            tuple(binds),
+            tuple(frozen),
         )
 
     def bwrap_args(self, confinement: Confinement) -> list[str]:
@@ -220,6 +230,9 @@ class Layout:
             args += ["--bind", str(path), str(path)]
         for path in self.shown:
             args += ["--ro-bind", str(path), str(path)]
+        for path in self.frozen:  # a mount point: neither written, renamed over nor removed
+            if path.is_file() and not path.is_symlink():
+                args += ["--ro-bind", str(path), str(path)]
         for source, target, writable in self.binds:  # e.g. an exec step's git view
             args += ["--bind" if writable else "--ro-bind", str(source), str(target)]
         return [*args, "--chdir", str(self.chdir)]
@@ -265,3 +278,75 @@ def spawn(
         os.close(info_w)
     child.sandbox_init = sandbox_init(info_r)
     return child
+
+
+def end_empty_sandboxes(lock: Path) -> int:
+    """SIGKILL every bubblewrap pid-namespace init that holds ``lock`` open while its
+    namespace holds no other process; how many were ended.
+
+    bwrap's init (pid 1 of the sandbox's pid namespace) inherits every descriptor of the
+    outer bwrap, an exec's worktree lock included. When gitrun is killed mid-command the
+    supervisor ends the command's tree, yet the init can be left behind (a namespace init
+    ignores the parent-death signal ``--die-with-parent`` arms), holding the lock for
+    ever. An init alone in its namespace runs nothing of the command, so nothing of it
+    can write to the worktree any more: ending it is what waiting for it would have done.
+    """
+    target = os.path.realpath(lock)
+    ended = 0
+    for pid in _pids():
+        ns = _pid_ns(pid)
+        if ns is None or _inner_pid(pid) != 1 or not _holds(pid, target):
+            continue
+        if _comm(pid) != "bwrap" or any(_pid_ns(p) == ns for p in _pids() if p != pid):
+            continue
+        try:
+            os.kill(pid, 9)
+            ended += 1
+        except OSError:
+            continue
+    return ended
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _pid_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _inner_pid(pid: int) -> int | None:
+    """The process's pid in its own (innermost) pid namespace."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
+
+
+def _holds(pid: int, target: str) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+        except OSError:
+            continue
+    return False

@@ -22,7 +22,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -123,7 +123,13 @@ def run(
         if git is not None:
             view = gitview.make(*git, out / "git", worktree, confined=confinement.confined)
         binds = () if view is None else view.binds
-        layout = Layout.of([worktree, home], hidden.dirs, hidden.files, cwd, blank, binds=binds)
+        # The worktree's .git file read-only: a command cannot swap in a repository of its
+        # own even while it runs (the user's shell prompt may run git status meanwhile);
+        # unconfined, the check after the command (exec_step) is the only wall.
+        dotgit = (worktree / ".git",)
+        layout = Layout.of(
+            [worktree, home], hidden.dirs, hidden.files, cwd, blank, binds=binds, frozen=dotgit
+        )
         with (out / "stdout").open("w+b") as log, (out / "stderr").open("w+b") as err:
             env = child_env(action, home, confined=confinement.confined)
             env = gitview.child_env(env, view)
@@ -204,6 +210,7 @@ class Seen:
     mode: int  # git mode: BLOB, EXEC, LINK, TREE (a directory the tree lacks), OTHER
     size: int
     links: int  # st_nlink
+    same: bool = False  # exactly the tree's entry at its path (mode and content)
     st: os.stat_result | None = field(default=None, compare=False)  # for a scan cache
 
 
@@ -233,13 +240,17 @@ def _tree_dirs(files: Iterable[str]) -> set[str]:
 
 def walk(
     worktree: Path,
-    tracked_dirs: set[str],
+    tracked: Mapping[str, tuple[int, pygit2.Oid]],
+    size_of: Callable[[pygit2.Oid], int],
     *,
     limits: OutputLimits | None = None,
     fix_modes: bool = False,
+    cache: ScanCache | None = None,
 ) -> dict[str, Seen]:
-    """Every entry under ``worktree`` but the top-level ``.git``, by ``lstat`` alone (no
-    link followed, no content read), without recursion.
+    """Every entry under ``worktree`` but the top-level ``.git``, by ``lstat`` (no link
+    followed), without recursion. Content is read only to compare an entry with the
+    ``tracked`` one at its path, when their modes and sizes (``size_of`` a blob) agree:
+    never more than the tree holds.
 
     A directory the tree lacks is one ``TREE`` entry, not entered — unless ``limits`` is
     given (an exec's output, to be committed): then every directory is entered and each
@@ -249,6 +260,7 @@ def walk(
     by others) ``0644``/``0755`` as a checkout would leave them (git keeps no other bits).
     """
     out: dict[str, Seen] = {}
+    tracked_dirs = _tree_dirs(tracked)
     count = 0
     root = os.open(worktree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     stack: list[tuple[int, str, Iterator[str]]] = [(root, "", iter(sorted(os.listdir(root))))]
@@ -275,11 +287,21 @@ def walk(
                     continue
                 sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
                 stack.append((sub, path + "/", iter(sorted(os.listdir(sub)))))
-            elif stat.S_ISLNK(st.st_mode):
-                out[path] = Seen(trees.LINK, st.st_size, st.st_nlink)
-            elif stat.S_ISREG(st.st_mode):
-                kind = trees.EXEC if st.st_mode & stat.S_IXUSR else trees.BLOB
-                out[path] = Seen(kind, st.st_size, st.st_nlink, st)
+            elif stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode):
+                kind = (
+                    trees.LINK
+                    if stat.S_ISLNK(st.st_mode)
+                    else trees.EXEC
+                    if st.st_mode & stat.S_IXUSR
+                    else trees.BLOB
+                )
+                old = tracked.get(path)
+                same = (
+                    old is not None
+                    and old[0] == kind
+                    and _same_blob(dfd, name, path, kind, st, old, size_of, cache)
+                )
+                out[path] = Seen(kind, st.st_size, st.st_nlink, same, st)
             else:
                 out[path] = Seen(OTHER, 0, st.st_nlink)
     finally:
@@ -337,11 +359,74 @@ def _fix_mode(dfd: int, name: str, st: os.stat_result) -> os.stat_result:
     return os.stat(name, dir_fd=dfd, follow_symlinks=False)
 
 
+def _content(dfd: int, name: str, kind: int, size: int) -> bytes:
+    """The link target, or the file's first ``size + 1`` bytes (one more than ``stat``
+    said: then it is not the blob of that size it is compared with)."""
+    if kind == trees.LINK:
+        return os.fsencode(os.readlink(name, dir_fd=dfd))
+    fd = os.open(name, _NO_FOLLOW_READ, dir_fd=dfd)
+    try:
+        chunks, left = [], size + 1
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+_SIZES: dict[pygit2.Oid, int] = {}  # a blob's size never changes: asked of the odb once
+
+
+def blob_size(repo: pygit2.Repository, oid: pygit2.Oid) -> int:
+    """The size of the blob ``oid`` from its header (-1: not a blob)."""
+    found = _SIZES.get(oid)
+    if found is None:
+        try:
+            kind, found = repo.odb.read_header(oid)
+        except (KeyError, ValueError, pygit2.GitError):
+            return -1
+        if kind != pygit2.enums.ObjectType.BLOB:
+            return -1
+        if len(_SIZES) > 500_000:
+            _SIZES.clear()
+        _SIZES[oid] = found
+    return found
+
+
 def _read_at(worktree: Path, path: str, seen: Seen) -> bytes:
     state = safefs.inspect(worktree, path)
     if state is None or state[0] != seen.mode:
         raise EnvironmentDrift("exec-racing", f"{shown_path(path)} changed while gitrun read it")
     return state[1]
+
+
+def _same_blob(
+    dfd: int,
+    name: str,
+    path: str,
+    kind: int,
+    st: os.stat_result,
+    old: tuple[int, pygit2.Oid],
+    size_of: Callable[[pygit2.Oid], int],
+    cache: ScanCache | None,
+) -> bool:
+    """Whether the entry (of ``old``'s mode) still holds ``old``'s blob: the cache's word
+    for a file whose stat is unchanged since it was hashed, else its bytes read and
+    hashed when the sizes agree (the cache then told)."""
+    if cache is not None:
+        known = cache.lookup(path, st)
+        if known is not None:
+            return known == old
+    if size_of(old[1]) != st.st_size:
+        return False
+    same = pygit2.hash(_content(dfd, name, kind, st.st_size)) == old[1]
+    if same and cache is not None:
+        cache.remember(path, st, old)
+    return same
 
 
 def scan(
@@ -364,19 +449,17 @@ def scan(
     (:mod:`gitrun.adapter.scancache`); it is only ever told what was read here.
     """
     before = tree_entries(tree) if cache is None else cache.entries_of(tree, tree_entries)
-    now = walk(worktree, _tree_dirs(before), limits=limits if write else None, fix_modes=fix_modes)
+    now = walk(
+        worktree, before, lambda oid: blob_size(repo, oid),
+        limits=limits if write else None, fix_modes=fix_modes, cache=cache,
+    )  # fmt: skip
     changes: dict[str, Entry | None] = {}
     new: dict[str, Seen] = {}
     for path in sorted(set(before) | set(now)):
-        old, seen = before.get(path), now.get(path)
+        seen = now.get(path)
         if seen is None:
             changes[path] = None
-        elif (
-            old is None
-            or old[0] != seen.mode
-            or seen.mode in (OTHER, trees.TREE)
-            or not _unchanged(repo, worktree, path, old, seen, cache)
-        ):
+        elif not seen.same:
             new[path] = seen
     if write:
         _check_written(new, limits or OutputLimits())
@@ -391,30 +474,6 @@ def scan(
         else:
             changes[path] = (seen.mode, None)
     return changes
-
-
-def _unchanged(
-    repo: pygit2.Repository,
-    worktree: Path,
-    path: str,
-    old: tuple[int, pygit2.Oid],
-    seen: Seen,
-    cache: ScanCache | None,
-) -> bool:
-    """Whether ``seen`` (of ``old``'s mode) still holds ``old``'s blob: the cache's word
-    for a file whose stat is unchanged since hashed, else its bytes read and hashed."""
-    if cache is not None and seen.st is not None:
-        known = cache.lookup(path, seen.st)
-        if known is not None:
-            return known == old
-    blob = repo.get(old[1])
-    size = blob.size if isinstance(blob, pygit2.Blob) else -1
-    if size != seen.size:
-        return False
-    same = pygit2.hash(_read_at(worktree, path, seen)) == old[1]
-    if same and cache is not None and seen.st is not None:
-        cache.remember(path, seen.st, old)
-    return same
 
 
 def _check_written(new: dict[str, Seen], limits: OutputLimits) -> None:

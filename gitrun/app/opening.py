@@ -19,6 +19,7 @@ import pygit2
 from gitrun.adapter.environment import Environment
 from gitrun.app.options import Options, quiet
 from gitrun.app.workspace import RunRecord, Workspace, check_run_id
+from gitrun.core import trailer
 from gitrun.core.errors import CheckpointRejected, GitrunError
 from gitrun.core.task import Task, load_task
 from gitrun.store import gitstore, trees
@@ -190,3 +191,15 @@ def report_finished(opened: Opened, state: RunState, opts: Options) -> RunState:
                 lease.release()
     opened.env.sync_index()  # killed after its last checkpoint, before the index sync
     return state
+
+
+def lease_floor(opened: Opened, state: RunState) -> int:
+    """The highest lease version known to have written to the run: its checkpoint's, or
+    the one on its branch tip (a write whose receipt still rides). A new lease starts
+    above it even when the lease ref was deleted by hand."""
+    try:
+        tip = opened.env.head()
+        on_branch = trailer.lease_of(tip.message_trailers)
+    except (GitrunError, ValueError, KeyError, pygit2.GitError):
+        on_branch = 0  # no branch, no trailer: reconcile names that under the lease
+    return max(state.lease_version, on_branch)

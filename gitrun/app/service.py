@@ -24,6 +24,7 @@ from gitrun.app.opening import (
     base_parts,
     checkpoint_store,
     keyring_store,
+    lease_floor,
     lease_store,
     load_verified,
     open_run,
@@ -42,7 +43,7 @@ from gitrun.app.reports import (
     verify,
 )
 from gitrun.app.workspace import RunRecord, check_run_id, new_run_id, user_repo
-from gitrun.core import faults, trailer
+from gitrun.core import faults
 from gitrun.core.errors import BadInput, CheckpointRejected, Frozen, GitrunError, LeaseLost
 from gitrun.core.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
 from gitrun.core.task import Task, load_task
@@ -305,23 +306,11 @@ def _resume_once(run_id: str, opts: Options, task_dir: Path | None) -> RunState:
         return report_finished(opened, state, opts)
     lease = lease_store(opened.repo, record.run_id, opts, opened.site)
     _check_resumable(opened, ref, stored, lease, agent, opts)
-    lease.acquire(state.generation, opts.takeover_after, floor=_lease_floor(opened, state))
+    lease.acquire(state.generation, opts.takeover_after, floor=lease_floor(opened, state))
     try:
         return _resume_under_lease(opened, lease, agent, approvals, opts)
     finally:
         _release(lease)
-
-
-def _lease_floor(opened: Opened, state: RunState) -> int:
-    """The highest lease version known to have written to the run: its checkpoint's, or
-    the one on its branch tip (a write whose receipt still rides). A new lease starts
-    above it even when the lease ref was deleted by hand."""
-    try:
-        tip = opened.env.head()
-        on_branch = trailer.lease_of(tip.message_trailers)
-    except (GitrunError, ValueError, KeyError, pygit2.GitError):
-        on_branch = 0  # no branch, no trailer: reconcile names that under the lease
-    return max(state.lease_version, on_branch)
 
 
 def _restart_unstarted(

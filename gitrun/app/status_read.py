@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from pathlib import Path
 
@@ -114,7 +113,7 @@ def _load_verified(
     a scan finds: the same ref whenever the scan finds at most one (the named ref, when
     it exists, is among them); more than one is left to the pygit2 path."""
     run_id = record.run_id
-    _probe_instance(Path(record.worktree))
+    _probe_instance(Path(record.worktree), git.gitdir / "worktrees" / f"gitrun-{run_id}")
     refs = git.refs_under(f"refs/gitrun/runs/{run_id}/checkpoints/")
     if len(refs) > 1:
         raise Unsupported(f"run {run_id} has {len(refs)} checkpoint refs")
@@ -144,22 +143,26 @@ def _load_verified(
 INSTANCE_FILE = "gitrun-instance.json"  # gitrun.adapter.environment.INSTANCE_FILE
 
 
-def _probe_instance(worktree: Path) -> None:
+def _probe_instance(worktree: Path, admin: Path) -> None:
     """Read the worktree's instance id as :meth:`Environment.instance_id` does, for its
     failures only: the pygit2 path names its checkpoint ref by it and falls back to the
     scan on a refusal (as this reader always does), but a record that is not an object,
-    or has no id, makes it fail otherwise; then pygit2 must answer (Unsupported)."""
-    dotgit = worktree / ".git"
-    if not dotgit.exists():
+    or has no id, makes it fail otherwise; then pygit2 must answer (Unsupported). Like
+    the pygit2 path it reads the admin dir, never through the worktree's ``.git``, and
+    leaves a ``.git`` that is not gitrun's file (recorded in ``gitrun-dotgit``) to it."""
+    if not worktree.is_dir() or not (admin / "gitdir").is_file():
         return  # the pygit2 path: worktree-missing, caught, the ref found by the scan
-    st = os.lstat(dotgit)
-    if not stat.S_ISREG(st.st_mode):
-        raise Unsupported(f"{dotgit} is not a gitdir file")
-    found = re.fullmatch(r"gitdir: (/[^\n]*)\n?", dotgit.read_text(errors="replace"))
-    if found is None or not Path(found.group(1)).is_dir():
-        raise Unsupported(f"{dotgit} does not name a git dir plainly")
+    dotgit = worktree / ".git"
     try:
-        doc = json.loads(read_bytes(Path(found.group(1)) / INSTANCE_FILE).decode())
+        st = os.lstat(dotgit)
+        want = read_bytes(admin / "gitrun-dotgit")  # gitrun.adapter.dotgit.RECORD
+        same = stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and read_bytes(dotgit) == want
+    except OSError:
+        same = False
+    if not same:
+        raise Unsupported(f"{dotgit} is not the file gitrun recorded")
+    try:
+        doc = json.loads(read_bytes(admin / INSTANCE_FILE).decode())
     except (OSError, ValueError):
         return  # other-instance, caught
     if not isinstance(doc, dict):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import posixpath
 import re
-import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -23,7 +22,13 @@ from typing import Protocol
 
 from gitrun.core import exec_policy
 from gitrun.core.errors import GateRejected
-from gitrun.core.git_names import DOTGIT_PREFIX, MODE_LINK, is_dotgit, verify_path_problem
+from gitrun.core.git_names import (
+    DOTGIT_PREFIX,
+    MODE_LINK,
+    hidden_character,
+    is_dotgit,
+    verify_path_problem,
+)
 from gitrun.core.patch import changed_line_count, touched_paths
 from gitrun.core.patch_plan import BLOB, EXECUTABLE, LINK, TREE, TreeView, parsed, plan_patch
 from gitrun.core.records import EXEC, REWIND, TOOL, Action, Budgets, kind_allowed
@@ -169,27 +174,6 @@ def normalise_path(raw: str | None) -> str:
             "path-too-long", f"{path[:60]}... has a name over {MAX_NAME_BYTES} bytes"
         )
     return path
-
-
-# Zero-width and bidi-control code points: invisible, or reordering what is shown, so a
-# reviewer reads another path than the one written (Unicode's Default_Ignorable and
-# Bidi_Control sets, the ones a path can plausibly hold).
-HIDDEN_CODE_POINTS = frozenset(
-    (0x00AD, 0x034F, 0x061C, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x180E, 0x3164, 0xFFA0,
-     *range(0x180B, 0x1810), *range(0x200B, 0x2010), 0x2028, 0x2029, *range(0x202A, 0x202F),
-     *range(0x2060, 0x2070), *range(0xFE00, 0xFE10), 0xFEFF, *range(0xFFF0, 0xFFF9),
-     *range(0x1D173, 0x1D17B), *range(0xE0000, 0xE1000))
-)  # fmt: skip
-
-
-def hidden_character(path: str) -> str | None:
-    """The first control, zero-width or bidi character of ``path``, named, or None."""
-    for ch in path:
-        code = ord(ch)
-        if code < 0x20 or 0x7F <= code < 0xA0 or code in HIDDEN_CODE_POINTS:
-            name = unicodedata.name(ch, "a control character")
-            return f"U+{code:04X} ({name})"
-    return None
 
 
 def check_git_path(path: str, mode: int = 0o100644) -> None:

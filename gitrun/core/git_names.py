@@ -9,11 +9,16 @@ and ``core.protectHFS`` both on, as git's defaults are: ``verify_dotfile()`` the
 git's shape so the two can be read side by side; ``tests/test_git_names.py`` checks
 the port against the real ``git`` on random names.
 
+Hidden characters: control, zero-width and bidi code points, which the gate refuses in
+paths by default (a reader sees another name than the one written).
+
 Refs: the rules of ``git check-ref-format`` (``refs.c``, ``check_refname_component``)
 for one component of a ref name gitrun builds from a user's name (a run id, a key).
 """
 
 from __future__ import annotations
+
+import unicodedata
 
 MODE_FILE = 0o100644
 MODE_LINK = 0o120000
@@ -259,3 +264,24 @@ def ref_component_problem(name: str) -> str | None:
         (any(c in name for c in " ~^:?*[\\/"), "holds one of space ~ ^ : ? * [ \\ /"),
     )
     return next((problem for bad, problem in checks if bad), None)
+
+
+# Zero-width and bidi-control code points: invisible, or reordering what is shown, so a
+# reviewer reads another path than the one written (Unicode's Default_Ignorable and
+# Bidi_Control sets, the ones a path can plausibly hold).
+HIDDEN_CODE_POINTS = frozenset(
+    (0x00AD, 0x034F, 0x061C, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x180E, 0x3164, 0xFFA0,
+     *range(0x180B, 0x1810), *range(0x200B, 0x2010), 0x2028, 0x2029, *range(0x202A, 0x202F),
+     *range(0x2060, 0x2070), *range(0xFE00, 0xFE10), 0xFEFF, *range(0xFFF0, 0xFFF9),
+     *range(0x1D173, 0x1D17B), *range(0xE0000, 0xE1000))
+)  # fmt: skip
+
+
+def hidden_character(path: str) -> str | None:
+    """The first control, zero-width or bidi character of ``path``, named, or None."""
+    for ch in path:
+        code = ord(ch)
+        if code < 0x20 or 0x7F <= code < 0xA0 or code in HIDDEN_CODE_POINTS:
+            name = unicodedata.name(ch, "a control character")
+            return f"U+{code:04X} ({name})"
+    return None

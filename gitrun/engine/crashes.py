@@ -17,14 +17,23 @@ counted either: it says nothing about the step, and the disk is checked first.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 import traceback
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from gitrun.core import machine as m
 from gitrun.core.errors import Exit, GitrunError, StorageFailed
+from gitrun.core.records import NEEDS_REVIEW, RUNNING, Event, ReviewCase
 from gitrun.store.atomicfile import atomic_write, read_bytes
+
+if TYPE_CHECKING:
+    from gitrun.engine.runtime import Runtime
 
 CRASH_FILE = "gitrun-crashes.json"
 REVIEW_AFTER = 2  # crashes of one step at one point before it goes to review
@@ -95,3 +104,67 @@ class CrashLog:
         if crash is None or crash.key != key or crash.count < REVIEW_AFTER:
             return None
         return crash
+
+
+def log_of(rt: Runtime) -> CrashLog:
+    """The run's crash record, in its worktree's git dir."""
+    return CrashLog(rt.env.wt.path)
+
+
+def remember(rt: Runtime, key: str | None, exc: BaseException) -> None:
+    """Record ``exc`` against step ``key`` (None: no step) if it is a crash; never masks
+    it (a missing worktree, a full disk while writing the record)."""
+    if key is not None and is_crash(exc):
+        with contextlib.suppress(GitrunError, OSError):
+            log_of(rt).record(key, exc)
+
+
+def review_repeated(rt: Runtime) -> bool:
+    """Freeze a running run for a human if its pending step crashed gitrun twice at one
+    point (the error in the review case and the chain); False when it did not."""
+    p = rt.state.pending
+    if p is None or rt.state.phase != RUNNING:
+        return False
+    crash = log_of(rt).repeated(p.key)
+    if crash is None:
+        return False
+    reason = (
+        f"step {p.key} ({p.action.summary()}) crashed gitrun {crash.count} times at "
+        f"{crash.point}: {crash.error}; it is not tried again: decide replan (the agent "
+        "proposes again, the key is quarantined) or abort"
+    )
+    at = time.time()
+    head = str(rt.env.head().id)
+    case = ReviewCase(p.action, p.key, p.intent_digest, "", None, "", head, reason, at)
+    facts = {"key": p.key, "point": crash.point, "error": crash.error, "count": crash.count}
+    frozen = replace(rt.state, phase=NEEDS_REVIEW, stop_reason="step_crashed", review=case)
+    rt.commit(frozen.with_events(Event("step_crashed", at, facts)))
+    rt.say(f"review needed for {p.key}: {reason}; run frozen")
+    return True
+
+
+def verify_unless_repeated(
+    rt: Runtime, effect: m.RunVerifier, verify: Callable[[m.RunVerifier], None]
+) -> None:
+    """``verify(effect)``, unless verifying this tree crashed gitrun twice at one point:
+    then the run ends failed with the error as the verdict's summary (there is no pending
+    step to review, and running the tests again would crash again)."""
+    key = f"verify-{effect.tree}"
+    crash = log_of(rt).repeated(key)
+    if crash is None:
+        try:
+            verify(effect)
+        except Exception as exc:
+            remember(rt, key, exc)
+            raise
+        return
+    obs = rt.clean_at(effect)
+    why = (
+        f"verifying {effect.tree[:12]} crashed gitrun {crash.count} times at "
+        f"{crash.point}: {crash.error}; it is not run again"
+    )
+    failed = m.VerifierCannotStart(
+        obs.head, obs.tree, obs.status_digest, why, tuple(rt.task.verifier.required),
+        time.time(), {"crashed": crash.point, "error": crash.error},
+    )  # fmt: skip
+    rt.apply(failed)

@@ -37,15 +37,13 @@ from gitrun.core.records import (
     Event,
     Precondition,
     Receipt,
-    ReviewCase,
     RunState,
     new_key,
 )
 from gitrun.core.task import Task
-from gitrun.engine import riding
+from gitrun.engine import crashes, riding
 from gitrun.engine.agents import Finish, ScriptAgent
 from gitrun.engine.approvals import Approvals, clear_inbox
-from gitrun.engine.crashes import Crash, CrashLog, is_crash
 from gitrun.engine.verifier import Secrets, VerifierResult, verify_tree
 from gitrun.store import gitstore
 from gitrun.store.checkpoint import CheckpointStore
@@ -98,7 +96,7 @@ class Runtime:
         elif isinstance(effect, m.Execute):
             self._execute(effect)
         elif isinstance(effect, m.RunVerifier):
-            self._verify(effect)
+            crashes.verify_unless_repeated(self, effect, self._verify)
         elif isinstance(effect, m.ClearInbox):
             clear_inbox(self.env.repo, self.state.run_id, effect.kind, self.env.site)
         elif isinstance(effect, m.SyncIndex):
@@ -199,48 +197,18 @@ class Runtime:
 
         A write not yet made is gated again first, against its precondition tree (and,
         inside the adapter, against the disk as it is now): a policy rejection abandons
-        it, drift on disk refuses and leaves it pending for after the human's fix.
-
-        An intent that crashed gitrun twice at the same point is not tried again: the run
-        goes to review (:mod:`gitrun.engine.crashes`).
+        it, drift on disk refuses and leaves it pending for after the human's fix. One
+        that crashed gitrun twice at one point goes to review (:mod:`~gitrun.engine.crashes`).
         """
-        p = self.state.pending
-        if p is not None and self.state.phase == RUNNING:
-            crash = self.crash_log().repeated(p.key)
-            if crash is not None:
-                self._review_crash(crash)
-                return
+        key = self.state.pending.key if self.state.pending is not None else None
+        if crashes.review_repeated(self):
+            return
         try:
             self._execute_pending()
         except BaseException as exc:
             riding.land_after_failure(self)  # a refusal leaves the intent pending, durable
-            if p is not None and is_crash(exc):
-                self.crash_log().record(p.key, exc)
+            crashes.remember(self, key, exc)
             raise
-
-    def crash_log(self) -> CrashLog:
-        """The run's crash record, in the worktree's git dir."""
-        return CrashLog(self.env.wt.path)
-
-    def _review_crash(self, crash: Crash) -> None:
-        """Freeze the run for a human: its pending step crashed gitrun ``crash.count``
-        times at one point; the error is in the review case and the chain."""
-        s = self.state
-        p = s.pending
-        if p is None:
-            raise GitrunError("no pending step to review")
-        reason = (
-            f"step {p.key} ({p.action.summary()}) crashed gitrun {crash.count} times at "
-            f"{crash.point}: {crash.error}; it is not tried again: decide replan (the agent "
-            "proposes again, the key is quarantined) or abort"
-        )
-        at = time.time()
-        head = str(self.env.head().id)
-        case = ReviewCase(p.action, p.key, p.intent_digest, "", None, "", head, reason, at)
-        facts = {"key": p.key, "point": crash.point, "error": crash.error, "count": crash.count}
-        frozen = replace(s, phase=NEEDS_REVIEW, stop_reason="step_crashed", review=case)
-        self.commit(frozen.with_events(Event("step_crashed", at, facts)))
-        self.say(f"review needed for {p.key}: {reason}; run frozen")
 
     def _execute_pending(self) -> None:
         s = self.state
@@ -325,7 +293,7 @@ class Runtime:
     def _verify(self, effect: m.RunVerifier) -> None:
         """RunVerifier: the tests on a fresh copy of the last write's tree, in a sandbox."""
         faults.point("before_verify")
-        obs = self._clean_at(effect)
+        obs = self.clean_at(effect)
         confinement = self._confinement()
         where = f"bwrap, network {confinement.network}" if confinement.confined else "none"
         self.say(f"verifier: {' '.join(self.task.verifier.command)} (isolation: {where})")
@@ -357,7 +325,7 @@ class Runtime:
         )  # fmt: skip
         self.apply(verdict)
 
-    def _clean_at(self, effect: m.RunVerifier) -> Observation:
+    def clean_at(self, effect: m.RunVerifier) -> Observation:
         """The worktree must be exactly the last write before its tests run."""
         obs = self.env.observe(full=True)
         if obs.dirty:
