@@ -28,6 +28,7 @@ from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.records import DONE, RunState
 from gitrun.entry import leave, output_closed, pipe_closed, status_text
+from gitrun.integrations import claude_cli
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -277,6 +278,11 @@ def rewind(
     done = "replayed" if r["replayed"] else "committed"
     typer.echo(f"run {run_id}: rewind {done} as {r['commit']} (tree {r['tree']}, key {r['key']})")
     typer.echo(f"changed: {', '.join(r['paths'])}")
+
+
+# Claude Code on a run, and removing a run (issue #33): their commands live beside them.
+app.command(context_settings=claude_cli.EXTRA_ARGS)(claude_cli.claude)
+app.command()(claude_cli.rm)
 
 
 @checkpoint_app.command("verify")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from gitrun.entry import version_text
+from gitrun import version_text
 
 if TYPE_CHECKING:
     from gitrun.app.options import Options

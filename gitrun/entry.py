@@ -40,6 +40,8 @@ COMMANDS = (
         "rewind",
         "Restore the tree of an earlier receipt or generation as one new step (a new commit).",
     ),
+    ("claude", "Start Claude Code on a run: its own worktree, every tool call one receipt commit."),
+    ("rm", "Remove a run: worktree, branch, refs and records; git gc then frees its objects."),
     ("approve", "Show the action waiting for approval and sign an approval bound to exactly it."),
     ("swebench", "Evaluate SWE-bench predictions, one gitrun run per instance."),
     ("report", "Write a run (or a SWE-bench batch) as one self-contained HTML page."),
@@ -89,13 +91,6 @@ def _box(title: str, rows: list[tuple[str, str]], width: int) -> list[str]:
             out.append(f"│ {cell.ljust(inner)} │")
     out.append("╰" + "─" * (width - 2) + "╯")
     return out
-
-
-def version_text() -> str:
-    """``gitrun --version``."""
-    from gitrun import __version__
-
-    return f"gitrun {__version__}"
 
 
 def help_text() -> str:
@@ -253,9 +248,15 @@ def main(argv: list[str] | None = None) -> None:
     # A shell completion request (Typer's _GITRUN_COMPLETE) is the Typer app's to answer.
     fast = COMPLETE_VAR not in os.environ
     if fast and args == ["--version"]:
+        from gitrun import version_text  # the package itself: loaded already
+
         leave(guarded(lambda: _print(version_text())))
     if fast and args == ["--help"] and _width() >= FAST_HELP_MIN_WIDTH:
         leave(guarded(lambda: _print(help_text(), end="")))
+    if args[:1] == ["hook"]:  # Claude Code runs one per tool call: no Typer on this path
+        from gitrun.integrations.claude_code import hook_main
+
+        sys.exit(hook_main(args[1:]))
     status = parse_status(args) if fast else None
     if status is not None:
         # A status process lives for milliseconds and makes no garbage cycles worth

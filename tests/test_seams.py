@@ -36,9 +36,8 @@ KNOWN_LAZY_CIRCLES: dict[frozenset[str], str] = {
     frozenset({"gitrun.app.status", "gitrun.app.status_read"}): (
         "status() tries the pygit2-free reader first, which builds the same typed result"
     ),
-    frozenset({"gitrun.cli", "gitrun.cli_view", "gitrun.entry"}): (
-        "the fast entry point hands every command but status to the Typer CLI, whose view "
-        "commands (report, --version) share the entry point's version text"
+    frozenset({"gitrun.cli", "gitrun.entry"}): (
+        "the fast entry point hands every command but status to the Typer CLI"
     ),
 }
 

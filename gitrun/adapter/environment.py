@@ -40,7 +40,7 @@ from gitrun.core.errors import (
     ReceiptConflict,
     Refused,
 )
-from gitrun.core.records import EXEC, REWIND, Action, Precondition, Receipt
+from gitrun.core.records import EXEC, REWIND, TOOL, Action, Precondition, Receipt
 from gitrun.store import gitstore, trees
 from gitrun.store.atomicfile import atomic_write, read_bytes
 from gitrun.store.lease import Fence, fenced
@@ -51,7 +51,7 @@ from gitrun.store.refmove import Lead
 from gitrun.store.remote import RemoteReceiptLog, RemoteSite
 
 if TYPE_CHECKING:
-    from gitrun.adapter.exec_step import ExecContext
+    from gitrun.adapter.exec_step import ExecContext, ToolContext
 
 INSTANCE_FILE = "gitrun-instance.json"
 AUTHOR = ("gitrun", "gitrun@localhost")
@@ -250,20 +250,16 @@ class Environment(WorktreeFiles):
         fence: Fence,
         approval: Approval | None = None,
         *,
-        shell: ExecContext | None = None,
+        shell: ExecContext | ToolContext | None = None,
         lead: Lead | None = None,
     ) -> Outcome:
         """Perform ``action`` at most once for ``key``; see docs/design.md §4 step 5. An exec
         needs ``shell`` (:func:`gitrun.adapter.exec_step.execute`). ``lead``, the intent's
         checkpoint move, rides in the branch move (``lead.moved``: not for a replay)."""
-        if action.kind == EXEC:
-            from gitrun.adapter import exec_step
+        if action.kind in (EXEC, TOOL):  # the worktree's whole change (exec_step.perform)
+            from gitrun.adapter.exec_step import perform
 
-            if shell is None:
-                raise GitrunError("an exec step needs its execution context")
-            return exec_step.execute(
-                self, action, key, intent_digest, precondition, fence, approval, shell
-            )
+            return perform(self, action, key, intent_digest, precondition, fence, approval, shell)
         if action.intent_digest() != intent_digest:
             raise Refused(f"intent digest {intent_digest} does not match the action")
         replayed = self._replay(key, intent_digest, precondition)
@@ -441,8 +437,9 @@ class Environment(WorktreeFiles):
             approval.fingerprint if approval else "none",
         )
         more = [tuple(line.split(": ", 1)) for line in extra]  # e.g. an exec's exit code
+        label = action.tool if action.kind == TOOL and action.tool else action.kind
         message = trailer.write_message(
-            f"gitrun: {action.kind} {shown}",
+            f"gitrun: {label} {shown or '(no change)'}",
             body.replace("---", "- - -"),
             [*zip(trailer.WRITE, values, strict=True), *((k, v) for k, v in more)],
         )

@@ -35,9 +35,11 @@ from gitrun.adapter import dotgit, gitview, sandbox, shell
 from gitrun.adapter.environment import Approval, Environment, Outcome
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.sandbox import Confinement
+from gitrun.adapter.scancache import ScanCache
 from gitrun.core import faults
 from gitrun.core.codec import encode
 from gitrun.core.errors import (
+    CheckpointRejected,
     EnvironmentDrift,
     GateRejected,
     GitrunError,
@@ -46,7 +48,16 @@ from gitrun.core.errors import (
     Refused,
 )
 from gitrun.core.exec_policy import OutputLimits
-from gitrun.core.records import NEEDS_REVIEW, Action, Event, Precondition, Receipt, ReviewCase
+from gitrun.core.records import (
+    EXEC,
+    NEEDS_REVIEW,
+    TOOL,
+    Action,
+    Event,
+    Precondition,
+    Receipt,
+    ReviewCase,
+)
 from gitrun.store import gitstore, oslock, trees
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.lease import Fence, fence_guard
@@ -158,6 +169,18 @@ def output_of(repo: pygit2.Repository, receipt: Receipt) -> tuple[bytes, bytes] 
     return found[0], found[1]
 
 
+def perform(
+    env: Environment, action: Action, key: str, intent_digest: str, pre: Precondition,
+    fence: Fence, approval: Approval | None, ctx: ExecContext | ToolContext | None,
+) -> Outcome:  # fmt: skip
+    """An exec step (``ctx`` its :class:`ExecContext`) or a tool step (its :class:`ToolContext`)."""
+    if action.kind == EXEC and isinstance(ctx, ExecContext):
+        return execute(env, action, key, intent_digest, pre, fence, approval, ctx)
+    if action.kind == TOOL and isinstance(ctx, ToolContext):
+        return record_tool(env, action, key, intent_digest, pre, fence, approval, ctx)
+    raise GitrunError(f"a {action.kind} step needs its context")
+
+
 def execute(
     env: Environment,
     action: Action,
@@ -180,15 +203,89 @@ def execute(
     env._check_precondition(head, pre)
     env._check_fence(head, fence, approval)
     ran = _run_on_clean_tree(env, action, key, head, fence, ctx)
-    changes, new_tree = _checked_output(env, ctx.gate, head.tree, fence)
-    output = output_tree(env.repo, ran.stdout, ran.stderr)
-    _keep_output(env, key, output, fence)
     code = TIMEOUT if ran.exit_code is None else str(ran.exit_code)
-    extra = [
-        f"Gitrun-Exit-Code: {code}",
-        f"Gitrun-Output: {output}",
-        f"Gitrun-Output-Digest: {output_digest(ran.stdout, ran.stderr)}",
-    ]
+    streams = Streams(ran.stdout, ran.stderr, [f"Gitrun-Exit-Code: {code}"])
+    return _commit_change(
+        env, action, key, intent_digest, pre, fence, approval, head, ctx.gate, streams
+    )
+
+
+@dataclass(frozen=True)
+class Streams:
+    """What a command or tool call said (kept as an output tree) and its extra trailers."""
+
+    stdout: bytes
+    stderr: bytes
+    trailers: list[str]
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """How to record a tool step: the gate for its change and what the tool reported
+    (None when it is not known: a call reconciled after a crash, a change made outside
+    any call)."""
+
+    gate: Gate
+    observed: Streams | None = None
+    cache: ScanCache | None = None  # what the scan may skip (tool steps come often)
+
+
+def record_tool(
+    env: Environment,
+    action: Action,
+    key: str,
+    intent_digest: str,
+    pre: Precondition,
+    fence: Fence,
+    approval: Approval | None,
+    ctx: ToolContext,
+) -> Outcome:
+    """Record at most once for ``key`` the change an outside tool call already made to
+    the worktree: the whole worktree against HEAD, gated path by path and committed as
+    ONE write commit, exactly as an exec step's change after its command (a change the
+    gate refuses puts the worktree back to HEAD and raises :class:`ExecRefused`)."""
+    if action.intent_digest() != intent_digest:
+        raise Refused(f"intent digest {intent_digest} does not match the action")
+    found = env.lookup(key, since=pre.head)
+    if found is not None:
+        if found.intent_digest != intent_digest:
+            raise ReceiptConflict(found, intent_digest)
+        return Outcome(found, replayed=True)
+    head = env.head()
+    env._check_precondition(head, pre)
+    env._check_fence(head, fence, approval)
+    streams = ctx.observed or Streams(b"", b"", [])
+    return _commit_change(
+        env, action, key, intent_digest, pre, fence, approval, head, ctx.gate, streams, ctx.cache
+    )
+
+
+def _commit_change(
+    env: Environment,
+    action: Action,
+    key: str,
+    intent_digest: str,
+    pre: Precondition,
+    fence: Fence,
+    approval: Approval | None,
+    head: pygit2.Commit,
+    gate: Gate,
+    streams: Streams,
+    cache: ScanCache | None = None,
+) -> Outcome:
+    """Scan the worktree's whole change against HEAD, gate it, and commit it as one
+    write commit with the output kept (the fenced compare-and-swap is the commit point)."""
+    changes, new_tree = _checked_output(env, gate, head.tree, fence, cache)
+    if cache is not None:
+        cache.advance(head.tree, new_tree, changes)
+    extra = list(streams.trailers)
+    if action.kind == EXEC or streams.stdout or streams.stderr:
+        output = output_tree(env.repo, streams.stdout, streams.stderr)
+        _keep_output(env, key, output, fence)
+        extra += [
+            f"Gitrun-Output: {output}",
+            f"Gitrun-Output-Digest: {output_digest(streams.stdout, streams.stderr)}",
+        ]
     oid = env._commit(
         action, key, intent_digest, pre, fence, approval, head, new_tree, sorted(changes), extra
     )
@@ -279,7 +376,7 @@ def may_have_started(env: Environment, key: str) -> bool:
 
 
 def _checked_output(
-    env: Environment, gate: Gate, old: pygit2.Tree, fence: Fence
+    env: Environment, gate: Gate, old: pygit2.Tree, fence: Fence, cache: ScanCache | None = None
 ) -> tuple[dict[str, shell.Entry | None], pygit2.Oid]:
     """What the command changed and the tree it makes, if the worktree's ``.git`` is still
     gitrun's, the output is within the policy's limits and representable in git, and every
@@ -289,13 +386,10 @@ def _checked_output(
     limits = policy.limits if policy is not None else OutputLimits()
     try:
         _check_dotgit(env)
-        changes = shell.scan(env.repo, env.worktree, old, write=True, limits=limits, fix_modes=True)
-        gate.check_exec_names(changes)  # a name git refuses would fail the tree write
-        oid = _representable_tree(env, old, changes)
-        new = env.repo[oid]
-        if not isinstance(new, pygit2.Tree):
-            raise EnvironmentDrift("exec-tree", f"{oid} is not a tree")
-        gate.check_exec_changes(changes, old, new)
+        changes = shell.scan(
+            env.repo, env.worktree, old, write=True, limits=limits, fix_modes=True, cache=cache
+        )
+        oid = checked_change(env, gate, old, changes)
     except GateRejected as exc:
         discarded = put_back(env, old, fence)
         shown = ", ".join(discarded[:5]) + (" ..." if len(discarded) > 5 else "")
@@ -306,6 +400,30 @@ def _checked_output(
             f"(discarded: {shown or 'nothing'}); nothing was committed",
         ) from exc
     return changes, oid
+
+
+def checked_change(
+    env: Environment, gate: Gate, old: pygit2.Tree, changes: dict[str, shell.Entry | None]
+) -> pygit2.Oid:
+    """The tree ``changes`` make of ``old``, if git can hold every name and every changed
+    path passes the gate; else :class:`GateRejected` (nothing is put back here)."""
+    gate.check_exec_names(changes)  # a name git refuses would fail the tree write
+    oid = _representable_tree(env, old, changes)
+    new = env.repo[oid]
+    if not isinstance(new, pygit2.Tree):
+        raise EnvironmentDrift("exec-tree", f"{oid} is not a tree")
+    gate.check_exec_changes(changes, old, new)
+    return oid
+
+
+def tree_at(env: Environment, tree_id: str) -> pygit2.Tree:
+    """The tree ``tree_id`` of the run's repository (a run's recorded tree: it must exist)."""
+    tree = trees.tree_at(env.repo, tree_id)
+    if tree is None:
+        raise CheckpointRejected(
+            "tree-missing", f"the run's tree {tree_id} is not in the repository"
+        )
+    return tree
 
 
 def _check_dotgit(env: Environment) -> None:
@@ -385,6 +503,10 @@ def tip_is_pending_exec(env: Environment, gate: Gate, tip: pygit2.Commit) -> Non
         raise EnvironmentDrift(
             "foreign-commit", f"{tip.id} carries the exec's key but a change it refuses: {exc}"
         ) from exc
+    if tip.message_trailers.get("Gitrun-Action") != EXEC and "Gitrun-Output" not in (
+        tip.message_trailers
+    ):
+        return  # a tool step the tool reported nothing for
     found = read_output(env.repo, tip.message_trailers.get("Gitrun-Output", ""))
     if found is None or found[2] != tip.message_trailers.get("Gitrun-Output-Digest"):
         raise EnvironmentDrift("foreign-commit", f"{tip.id} names no output matching its digest")

@@ -23,7 +23,7 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -31,6 +31,7 @@ import pygit2
 
 from gitrun.adapter import gitview, safefs, sandbox, scratch
 from gitrun.adapter.sandbox import Confinement, Layout, SandboxFailed
+from gitrun.adapter.scancache import ScanCache
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, EnvironmentDrift, GateRejected
 from gitrun.core.exec_policy import OutputLimits
@@ -210,6 +211,7 @@ class Seen:
     size: int
     links: int  # st_nlink
     same: bool = False  # exactly the tree's entry at its path (mode and content)
+    st: os.stat_result | None = field(default=None, compare=False)  # for a scan cache
 
 
 def tree_entries(tree: pygit2.Tree, prefix: str = "") -> dict[str, tuple[int, pygit2.Oid]]:
@@ -243,6 +245,7 @@ def walk(
     *,
     limits: OutputLimits | None = None,
     fix_modes: bool = False,
+    cache: ScanCache | None = None,
 ) -> dict[str, Seen]:
     """Every entry under ``worktree`` but the top-level ``.git``, by ``lstat`` (no link
     followed), without recursion. Content is read only to compare an entry with the
@@ -296,10 +299,9 @@ def walk(
                 same = (
                     old is not None
                     and old[0] == kind
-                    and size_of(old[1]) == st.st_size
-                    and pygit2.hash(_content(dfd, name, kind, st.st_size)) == old[1]
+                    and _same_blob(dfd, name, path, kind, st, old, size_of, cache)
                 )
-                out[path] = Seen(kind, st.st_size, st.st_nlink, same)
+                out[path] = Seen(kind, st.st_size, st.st_nlink, same, st)
             else:
                 out[path] = Seen(OTHER, 0, st.st_nlink)
     finally:
@@ -402,6 +404,31 @@ def _read_at(worktree: Path, path: str, seen: Seen) -> bytes:
     return state[1]
 
 
+def _same_blob(
+    dfd: int,
+    name: str,
+    path: str,
+    kind: int,
+    st: os.stat_result,
+    old: tuple[int, pygit2.Oid],
+    size_of: Callable[[pygit2.Oid], int],
+    cache: ScanCache | None,
+) -> bool:
+    """Whether the entry (of ``old``'s mode) still holds ``old``'s blob: the cache's word
+    for a file whose stat is unchanged since it was hashed, else its bytes read and
+    hashed when the sizes agree (the cache then told)."""
+    if cache is not None:
+        known = cache.lookup(path, st)
+        if known is not None:
+            return known == old
+    if size_of(old[1]) != st.st_size:
+        return False
+    same = pygit2.hash(_content(dfd, name, kind, st.st_size)) == old[1]
+    if same and cache is not None:
+        cache.remember(path, st, old)
+    return same
+
+
 def scan(
     repo: pygit2.Repository,
     worktree: Path,
@@ -410,6 +437,7 @@ def scan(
     write: bool = False,
     limits: OutputLimits | None = None,
     fix_modes: bool = False,
+    cache: ScanCache | None = None,
 ) -> dict[str, Entry | None]:
     """path → what the disk holds instead of ``tree``'s entry (None: deleted).
 
@@ -417,11 +445,13 @@ def scan(
     never more than the tree holds) or, with ``write``, when it is new or changed and
     within ``limits`` (its blob then stored in ``repo``). A directory the tree lacks is
     one ``(TREE, None)`` entry, unless ``write`` (it is entered: see :func:`walk`).
+    ``cache`` spares reading a file whose stat is unchanged since it was hashed
+    (:mod:`gitrun.adapter.scancache`); it is only ever told what was read here.
     """
-    before = tree_entries(tree)
+    before = tree_entries(tree) if cache is None else cache.entries_of(tree, tree_entries)
     now = walk(
         worktree, before, lambda oid: blob_size(repo, oid),
-        limits=limits if write else None, fix_modes=fix_modes,
+        limits=limits if write else None, fix_modes=fix_modes, cache=cache,
     )  # fmt: skip
     changes: dict[str, Entry | None] = {}
     new: dict[str, Seen] = {}
@@ -437,7 +467,10 @@ def scan(
         if seen.mode in (OTHER, trees.TREE):
             changes[path] = (seen.mode, None)
         elif write:
-            changes[path] = (seen.mode, repo.create_blob(_read_at(worktree, path, seen)))
+            stored: Entry = (seen.mode, repo.create_blob(_read_at(worktree, path, seen)))
+            changes[path] = stored
+            if cache is not None and seen.st is not None:
+                cache.remember(path, seen.st, stored)
         else:
             changes[path] = (seen.mode, None)
     return changes

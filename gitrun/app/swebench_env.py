@@ -42,7 +42,7 @@ from filelock import FileLock
 from gitrun.core.codec import digest
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.swebench import Instance, RepoSpec
-from gitrun.store.atomicfile import atomic_write
+from gitrun.store.atomicfile import atomic_write, replace_unsynced
 
 MARKER = "gitrun-env.json"
 BUILD_LOG = "build.log"
@@ -195,7 +195,7 @@ def _packages(spec: RepoSpec, inst: Instance, repo: Path, home: Path) -> list[st
         raise EnvironmentFailed(
             f"the spec's packages is requirements.txt, but {inst.repo} has none at {commit[:12]}"
         )
-    (home / "requirements.txt").write_bytes(done.stdout)
+    replace_unsynced(home / "requirements.txt", done.stdout, mode=0o644)  # scratch
     return ["-r", str(home / "requirements.txt")]
 
 

@@ -14,6 +14,7 @@ them back, so the newest generation is witnessed out here too (:mod:`gitrun.stor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -161,6 +162,11 @@ class Workspace:
         """Replace the run's record atomically (its lease holder only, see lease.fenced)."""
         path, data = self._record_bytes(record)
         atomic_write(path, data, parent_mode=0o777)
+
+    def forget(self, run_id: str) -> None:
+        """Remove the run's record (``gitrun rm``, once everything else of it is gone)."""
+        with contextlib.suppress(FileNotFoundError):
+            self._record_path(run_id).unlink()
 
     def exists(self, run_id: str) -> bool:
         return self._record_path(run_id).is_file()

@@ -31,7 +31,7 @@ from gitrun.core.git_names import (
 )
 from gitrun.core.patch import changed_line_count, touched_paths
 from gitrun.core.patch_plan import BLOB, EXECUTABLE, LINK, TREE, TreeView, parsed, plan_patch
-from gitrun.core.records import EXEC, REWIND, Action, Budgets, kind_allowed
+from gitrun.core.records import EXEC, REWIND, TOOL, Action, Budgets, kind_allowed
 from gitrun.core.task import Policy, Task
 
 # path -> (mode, object id) of what a command or a rewind left there; None: removed
@@ -228,6 +228,10 @@ class Rules:
             return self.check_exec(action, tree, disk)
         if action.kind == REWIND:
             self.check_rewind(action, rewind, tree)
+            return action
+        if action.kind == TOOL:  # its change is known after the call: check_exec_changes
+            if not action.tool:
+                raise GateRejected("malformed-action", "a tool step names its tool")
             return action
         path = normalise_path(action.path)
         self.check_path(path, tree, disk)

@@ -21,11 +21,16 @@ EXEC = "exec"
 # A rewind restores an earlier tree of the run as one new step (never a listed policy
 # action: it is allowed wherever some write is, and every path it changes meets the rules).
 REWIND = "rewind"
+# A tool step records the change an outside agent's tool call (Claude Code's Edit, Write,
+# Bash, ...) already made to the worktree: never a listed policy action either; every path
+# it changed meets the rules, as an exec step's do.
+TOOL = "tool"
 
 
 def kind_allowed(kind: str, allowed: tuple[str, ...]) -> bool:
-    """Whether a policy allowing ``allowed`` allows ``kind`` (a rewind: when any write is)."""
-    return kind in allowed or (kind == REWIND and bool(allowed))
+    """Whether a policy allowing ``allowed`` allows ``kind`` (a rewind or a tool step:
+    when any write is)."""
+    return kind in allowed or (kind in (REWIND, TOOL) and bool(allowed))
 
 
 # Phases of a run; a checkpoint names one explicitly.
@@ -63,6 +68,9 @@ class Action:
     timeout_seconds: float | None = optional_field()
     env: tuple[str, ...] | None = optional_field()
     tree: str | None = optional_field()  # rewind only: the tree oid the step restores
+    # tool only: the outside tool's name and the digest of its input (the intent)
+    tool: str | None = optional_field()
+    tool_input: str | None = optional_field()
     # exec only: variables set for the command, "NAME=value" sorted by name (a client's
     # own values, e.g. mini-swe-agent's environment.env; never a GITRUN_* name)
     set_env: tuple[str, ...] | None = optional_field()
@@ -112,6 +120,8 @@ class Action:
             return intent
         if self.kind == REWIND:
             return {"kind": self.kind, "tree": self.tree}
+        if self.kind == TOOL:
+            return {"kind": self.kind, "tool": self.tool, "tool_input": self.tool_input}
         content, content_b64 = _text_or_b64(self.content_bytes())
         patch, patch_b64 = _text_or_b64(self.patch_bytes())
         out: dict[str, Any] = {
@@ -142,6 +152,8 @@ class Action:
             return f"exec {shown[:60]}" + ("..." if len(shown) > 60 else "")
         if self.kind == REWIND:
             return f"rewind to tree {(self.tree or '?')[:12]}"
+        if self.kind == TOOL:
+            return f"tool {self.tool}"
         return f"{self.kind} {self.path}"
 
 

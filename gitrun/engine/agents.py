@@ -175,7 +175,7 @@ def _plan_root(plan: Path, task: Task) -> Path:
 
 def load_agent(spec: str, task: Task) -> tuple[ScriptAgent, str]:
     """The agent named by ``spec`` and the spec to record (absolute paths) for resume."""
-    if spec in ("session", "mcp") or spec.startswith("cmd:"):
+    if spec in ("session", "mcp", "claude") or spec.startswith("cmd:"):
         from gitrun.engine.session_agent import session_agent
 
         return session_agent(spec), spec

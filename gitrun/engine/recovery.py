@@ -26,7 +26,7 @@ from gitrun.adapter import exec_step, shell
 from gitrun.core.codec import encode
 from gitrun.core.errors import EnvironmentDrift, GateRejected, GitrunError, ReceiptDrift
 from gitrun.core.exec_policy import REVIEW
-from gitrun.core.records import EXEC, Event, RunState
+from gitrun.core.records import EXEC, TOOL, Event, RunState
 from gitrun.engine.runtime import Runtime
 from gitrun.store import gitstore, receipts, trees
 
@@ -53,12 +53,14 @@ def check_cached_receipt(rt: Runtime, *, repair: bool = True) -> None:
         )
 
 
-def reconcile(rt: Runtime, *, apply: bool = True) -> str:
+def reconcile(rt: Runtime, *, apply: bool = True, dirty_ok: bool = False) -> str:
     """Bring the runtime and the environment into agreement; return what was done.
 
     With ``apply=False`` it only makes every check (and raises every refusal) without
     writing anything: resume runs it before it takes the lease, so a refusal changes
-    nothing, not even the lease.
+    nothing, not even the lease. ``dirty_ok``: files that differ from HEAD are the next
+    tool step's (an outside agent's tool calls change the worktree between steps; the
+    caller records them), not drift.
     """
     s = rt.state
     env = rt.env
@@ -87,9 +89,9 @@ def reconcile(rt: Runtime, *, apply: bool = True) -> str:
     elif lost:
         skip = [*skip, *sorted(lost)]
     if str(tip.id) == s.env.head:
-        return _at_checkpointed_head(rt, tip, skip, apply=apply)
+        return _at_checkpointed_head(rt, tip, skip, apply=apply, dirty_ok=dirty_ok)
     if s.pending is not None and _is_pending_write(rt, tip):
-        return _reconcile_write(rt, tip, skip, apply=apply)
+        return _reconcile_write(rt, tip, skip, apply=apply, dirty_ok=dirty_ok)
     raise _classify_drift(env.repo, explained, tip.id)
 
 
@@ -114,7 +116,9 @@ def _explained(rt: Runtime) -> pygit2.Oid:
     return commit.id if receipt is not None and receipt.key == s.pending.key else head
 
 
-def _reconcile_write(rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool) -> str:
+def _reconcile_write(
+    rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool, dirty_ok: bool = False
+) -> str:
     """Window 3: the branch moved by exactly the pending write; take its receipt in
     (``conflict`` opens a review; ``apply=False`` only checks)."""
     s, env = rt.state, rt.env
@@ -140,19 +144,29 @@ def _reconcile_write(rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply:
         env.repair_sync(check_only=True, skip=skip)
         return "write-reconciled"
     env.repair_sync(rt.lease.fence)
-    obs = env.observe(full=True)
-    if obs.dirty:
+    obs = env.observe(full=not dirty_ok)
+    if obs.dirty and not dirty_ok:
         raise EnvironmentDrift("uncommitted-edits", f"uncommitted changes: {list(obs.dirty[:5])}")
     rt.accept(receipt, replayed=True)
     return "write-reconciled"
 
 
-def _at_checkpointed_head(rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool) -> str:
+def _at_checkpointed_head(
+    rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool, dirty_ok: bool = False
+) -> str:
     """The branch is where the checkpoint left it: windows 1 and 2."""
     s = rt.state
     if s.pending is not None and s.pending.action.kind == EXEC:
         return _exec_interrupted(rt, tip, apply=apply)
-    _require_exact(rt, s, skip)
+    if s.pending is not None and s.pending.action.kind == TOOL:
+        # The call already ran outside gitrun: what the worktree holds is its change,
+        # recorded (once, under its key) when the pending step executes.
+        return "tool-pending"
+    if dirty_ok:
+        if str(tip.tree_id) != s.env.tree:
+            raise EnvironmentDrift("tree-changed", f"HEAD tree {tip.tree_id} is not {s.env.tree}")
+    else:
+        _require_exact(rt, s, skip)
     if s.pending is None:
         return "exact"
     rt.env.check_writable(s.pending.action, tip.tree, skip)  # a link in its way: refuse now
@@ -248,7 +262,7 @@ def _is_pending_write(rt: Runtime, tip: pygit2.Commit) -> bool:
         raise EnvironmentDrift(
             "foreign-commit", f"{tip.id} carries the key but not the intent's trailers"
         )
-    if p.action.kind == EXEC:  # its tree is known only from the commit: gate every path
+    if p.action.kind in (EXEC, TOOL):  # its tree is known only from the commit: gate every path
         exec_step.tip_is_pending_exec(rt.env, rt.gate, tip)
         return True
     parent_tree = tip.parents[0].tree

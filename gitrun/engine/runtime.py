@@ -19,7 +19,7 @@ import pygit2
 
 from gitrun.adapter import sandbox
 from gitrun.adapter.environment import Approval, Environment, Observation
-from gitrun.adapter.exec_step import ExecContext, ExecRefused
+from gitrun.adapter.exec_step import ExecContext, ExecRefused, ToolContext
 from gitrun.adapter.gate import Gate
 from gitrun.adapter.gitview import GitView
 from gitrun.adapter.sandbox import CommandCannotStart, Confinement
@@ -32,6 +32,7 @@ from gitrun.core.records import (
     EXEC,
     NEEDS_REVIEW,
     RUNNING,
+    TOOL,
     EnvState,
     Event,
     Precondition,
@@ -67,6 +68,7 @@ class Runtime:
     secrets: Secrets = field(default_factory=Secrets)  # hidden from the code under test
     abandoned: GateRejected | None = None  # why the last pending action was dropped (sessions)
     output_log: Path | None = None  # where the verifier keeps the test command's output
+    tool: ToolContext | None = None  # a tool step's: what the tool reported, the scan cache
 
     def __post_init__(self) -> None:
         self._segment_start = time.time()
@@ -237,7 +239,8 @@ class Runtime:
         """Execute: one write with the intent's key under the lease, then its receipt."""
         p, grant = effect.pending, effect.grant
         approval = None if grant is None else Approval(grant.fingerprint, grant.expires_at)
-        shell = self.exec_context() if p.action.kind == EXEC else None
+        tool = (self.tool or ToolContext(self.gate)) if p.action.kind == TOOL else None
+        shell = self.exec_context() if p.action.kind == EXEC else tool
         if shell is not None:
             self.land()  # a command's intent is durable before it starts
         lead = self.rider.prepared.lead if self.rider.prepared is not None else None

@@ -48,7 +48,9 @@ class SessionAgent(ScriptAgent):
 
     ``spec`` is ``session`` (the protocol on this process's stdin/stdout) or
     ``cmd:COMMAND`` (gitrun spawns COMMAND and serves it over the child's pipes), or
-    ``mcp`` (an MCP server on this process's stdin/stdout, :mod:`gitrun.engine.mcp_server`)."""
+    ``mcp`` (an MCP server on this process's stdin/stdout, :mod:`gitrun.engine.mcp_server`),
+    or ``claude`` (Claude Code's hooks, each a gitrun process recording one tool call:
+    :mod:`gitrun.app.tool_steps`)."""
 
     name: str = "session"
     actions: tuple[Action, ...] = ()
@@ -57,7 +59,7 @@ class SessionAgent(ScriptAgent):
 
     @property
     def identity(self) -> str:
-        if self.spec in ("session", "mcp"):
+        if self.spec in ("session", "mcp", "claude"):
             return self.spec
         return f"session:cmd:{digest(self.spec)}"
 
@@ -82,6 +84,10 @@ class SessionAgent(ScriptAgent):
             from gitrun.engine import mcp_server
 
             return mcp_server.serve(rt, self)
+        if self.spec == "claude":  # Claude Code's hooks drive it, one process per call
+            rt.pause()
+            rt.env.sync_index()
+            return rt.state
         from gitrun.engine.agentproc import serve_child
 
         command = self.spec.removeprefix("cmd:")

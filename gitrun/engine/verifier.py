@@ -65,7 +65,7 @@ from gitrun.core.outcome_stream import MAX_STREAM_BYTES, TAMPERED, Tampered, rea
 from gitrun.core.verifier_spec import VerifierResult as VerifierResult  # noqa: PLC0414 - re-export
 from gitrun.core.verifier_spec import VerifierSpec as VerifierSpec  # noqa: PLC0414 - re-export
 from gitrun.core.verifier_spec import positive_number
-from gitrun.store.atomicfile import atomic_write
+from gitrun.store.atomicfile import atomic_write, replace_unsynced
 
 _SCRUBBED_PREFIX = "GITRUN_"  # no variable of gitrun's (home, key file, fault injection)
 _POLL_SECONDS = 0.05
@@ -202,7 +202,7 @@ class _Channel:
             return self
         self.plugin_dir.mkdir(mode=0o755)
         source = Path(__file__).with_name("verdict_plugin.py").read_bytes()
-        (self.plugin_dir / f"{PLUGIN}.py").write_bytes(source)
+        replace_unsynced(self.plugin_dir / f"{PLUGIN}.py", source, mode=0o444)  # scratch
         (self.plugin_dir / f"{PLUGIN}.py").chmod(0o444)
         self.plugin_dir.chmod(0o555)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

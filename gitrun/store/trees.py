@@ -26,6 +26,15 @@ BASE_SIGNATURE = ("gitrun sandbox", "sandbox@gitrun.invalid", 1_700_000_000, 0)
 Change = tuple[pygit2.Oid, int] | None  # new (blob, mode), or None to delete
 
 
+def tree_at(repo: pygit2.Repository, tree_id: str) -> pygit2.Tree | None:
+    """The tree ``tree_id`` of ``repo``, or None when it holds no such tree."""
+    try:
+        found = repo.get(tree_id)
+    except ValueError:  # not an object id at all
+        return None
+    return found if isinstance(found, pygit2.Tree) else None
+
+
 def entry(tree: pygit2.Tree, path: str) -> pygit2.Object | None:
     """The object at ``path`` in ``tree``, or None."""
     try:

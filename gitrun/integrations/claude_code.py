@@ -1,0 +1,446 @@
+"""Claude Code on a gitrun run: every tool call that can change files is one step.
+
+``gitrun claude`` makes (or continues) a run — a task, or a plain repository under
+:data:`DEFAULT_TASK` — with its own worktree on ``gitrun/<run>``, writes a settings file
+for that run under the workspace (``$GITRUN_HOME/claude/<run>.settings.json``: never the
+user's ``~/.claude`` nor anything in a repository), and starts ``claude --settings FILE``
+in the worktree. The settings install Claude Code's hooks for that process only; each
+hook is one ``gitrun hook EVENT --run RUN`` process reading Claude Code's JSON on stdin:
+
+- ``pre-tool-use``: records any change no call made (an ``outside`` step), then gates
+  what is known before the call — an edit tool's path against the forbidden paths and
+  the allowlist, a Bash command against ``[policy.exec]`` — and refuses with exit 2 and
+  the rule on stderr (Claude Code shows it to the model);
+- ``post-tool-use``: records the worktree's whole change since the last step as ONE
+  receipt commit under the call's ``tool_use_id`` (Bash's output kept with it); a
+  change the rules refuse is undone (the worktree put back to the last receipt) and the
+  hook answers with Claude Code's block decision naming the rule;
+- ``session-start``: reconciles what a killed session or hook left, once;
+- ``stop``: brings the worktree's index up to date; with ``--finish`` the task's
+  verifier runs and the run ends done or failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gitrun.adapter.exec_step import Streams
+from gitrun.app import tool_steps
+from gitrun.app.opening import Options
+from gitrun.core.codec import encode
+from gitrun.core.errors import BadInput, GateRejected, GitrunError
+from gitrun.core.records import TERMINAL, RunState
+from gitrun.store import atomicfile
+
+EDIT_TOOLS = ("Edit", "Write", "MultiEdit", "NotebookEdit")
+SHELL_TOOL = "Bash"
+MATCHER = "|".join((*EDIT_TOOLS, SHELL_TOOL))
+BLOCK = 2  # Claude Code: a PreToolUse hook exiting 2 blocks the call, its stderr to the model
+MAX_PAYLOAD = 64 << 20
+
+DEFAULT_TASK = """\
+schema = 1
+
+[task]
+id = "claude-code"
+version = "1"
+title = "a Claude Code session on a gitrun run"
+
+[policy]
+id = "claude-default"
+version = "1"
+allowed_actions = ["write_file", "delete_file", "apply_patch", "exec"]
+write_allowlist = ["**"]
+forbidden_paths = []
+
+[policy.exec]
+allow = ["*"]
+
+[verifier]
+command = ["true"]
+junit = false
+fail_to_pass = []
+pass_to_pass = []
+
+[budgets]
+max_proposals = 1000000000
+max_steps = 1000000000
+max_wall_seconds = 31536000
+"""
+
+
+def default_task_dir(opts: Options) -> Path:
+    """The task of a plain repository: every path writable, any command (see the docs)."""
+    where = opts.workspace.root / "claude" / "default-task"
+    task_file = where / "task.toml"
+    if not task_file.exists() or task_file.read_text() != DEFAULT_TASK:
+        where.mkdir(parents=True, exist_ok=True)
+        atomicfile.atomic_write(task_file, DEFAULT_TASK.encode(), mode=0o644)
+    return where
+
+
+def settings_path(opts: Options, run_id: str) -> Path:
+    return opts.workspace.root / "claude" / f"{run_id}.settings.json"
+
+
+def hook_command(event: str, run_id: str, opts: Options, *, finish: bool = False) -> str:
+    """The shell line Claude Code runs for ``event``: this Python, this workspace."""
+    argv = [sys.executable, "-m", "gitrun", "hook", event, "--run", run_id,
+            "--workspace", str(opts.workspace.root)]  # fmt: skip
+    if opts.workspace.key_file != opts.workspace.root / "keys" / "checkpoint.keyring":
+        argv += ["--key-file", str(opts.workspace.key_file)]
+    if finish:
+        argv.append("--finish")
+    return shlex.join(argv)
+
+
+def settings(run_id: str, opts: Options, *, finish: bool) -> dict[str, Any]:
+    """Claude Code settings installing gitrun's hooks for one run."""
+
+    def hook(event: str, matcher: str | None = None) -> list[dict[str, Any]]:
+        entry: dict[str, Any] = {
+            "hooks": [{"type": "command", "command": hook_command(event, run_id, opts,
+                                                                  finish=finish)}]
+        }  # fmt: skip
+        if matcher is not None:
+            entry["matcher"] = matcher
+        return [entry]
+
+    return {
+        "hooks": {
+            "SessionStart": hook("session-start"),
+            "PreToolUse": hook("pre-tool-use", MATCHER),
+            "PostToolUse": hook("post-tool-use", MATCHER),
+            "Stop": hook("stop"),
+        }
+    }
+
+
+@dataclass(frozen=True)
+class Started:
+    run_id: str
+    worktree: Path
+    settings: Path
+    state: RunState
+
+
+def start(
+    task_dir: Path | None,
+    opts: Options,
+    *,
+    repo_path: Path | None,
+    run_id: str | None,
+    finish: bool = False,
+) -> Started:
+    """Make (or continue) the run Claude Code works on and write its settings file."""
+    from gitrun.app import service
+
+    ws = opts.workspace
+    if run_id is not None and ws.exists(run_id):
+        with tool_steps.opened_run(run_id, opts) as run:
+            run.sweep()
+            state = run.state
+    else:
+        if task_dir is None and repo_path is None:
+            raise BadInput("gitrun claude needs --task DIR or --repo PATH (or both)")
+        task = task_dir if task_dir is not None else default_task_dir(opts)
+        state = service.start(task, opts, repo_path=repo_path, agent_spec="claude", run_id=run_id)
+    rid = state.run_id
+    if state.phase in TERMINAL:
+        raise GateRejected("run-ended", f"run {rid} is {state.phase} ({state.stop_reason})")
+    path = settings_path(opts, rid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(settings(rid, opts, finish=finish), indent=2) + "\n"
+    atomicfile.atomic_write(path, text.encode(), mode=0o600)
+    return Started(rid, Path(state.env.worktree), path, state)
+
+
+def claude_env(opts: Options) -> dict[str, str]:
+    """Claude Code's environment: the user's, without gitrun's own variables (the hooks
+    get the workspace and key file on their command lines) but ``GITRUN_HOME``, so that
+    ``gitrun log`` and ``gitrun rewind`` work from the session's shell too."""
+    from gitrun.core import faults
+
+    keep = (faults.ENV_VAR, faults.PAUSE_VAR)  # fault injection reaches the hooks (tests)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GITRUN_") or k in keep}
+    env["GITRUN_HOME"] = str(opts.workspace.root)
+    return env
+
+
+def launch(started: Started, opts: Options, claude_bin: str, args: list[str], *, dry: bool) -> None:
+    """Start ``claude --settings FILE ARGS`` in the run's worktree, replacing this process
+    (``dry``: print the command line instead)."""
+    import shlex
+
+    argv = [claude_bin, "--settings", str(started.settings), *args]
+    sys.stderr.write(f"run {started.run_id}: worktree {started.worktree}\n")
+    sys.stderr.write(f"settings {started.settings}\n")
+    if dry:
+        print(f"cd {shlex.quote(str(started.worktree))} && {shlex.join(argv)}")
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir(started.worktree)
+    try:
+        os.execvpe(claude_bin, argv, claude_env(opts))  # noqa: S606 - an argv, no shell
+    except OSError as exc:
+        raise BadInput(
+            f"cannot start Claude Code ({claude_bin}): {exc.strerror}; install it "
+            "(npm install -g @anthropic-ai/claude-code) or pass --claude PATH"
+        ) from exc
+
+
+# -- hooks ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HookAnswer:
+    code: int
+    stdout: str = ""
+    stderr: str = ""
+
+
+def read_payload(raw: bytes) -> dict[str, Any]:
+    """Claude Code's hook JSON; bad input is refused by name."""
+    if len(raw) > MAX_PAYLOAD:
+        raise BadInput(f"hook input over {MAX_PAYLOAD} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadInput(f"hook input is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BadInput("hook input is not a JSON object")
+    return data
+
+
+def _call(payload: dict[str, Any]) -> tool_steps.ToolCall:
+    tool = payload.get("tool_name")
+    if not isinstance(tool, str) or not tool:
+        raise BadInput("hook input has no tool_name")
+    session = payload.get("session_id")
+    session_text = session if isinstance(session, str) and session.isprintable() else ""
+    return tool_steps.ToolCall(
+        " ".join(tool.split())[:100] or "tool",
+        tool_steps.call_key(payload.get("tool_use_id")),
+        tool_steps.input_digest(payload.get("tool_input")),
+        session_text[:100],
+    )
+
+
+def _edit_paths(run: tool_steps.ToolRun, tool_input: object) -> list[str]:
+    """The worktree-relative paths an edit tool names (absolute or relative to the
+    worktree); a path outside the worktree is refused."""
+    if not isinstance(tool_input, dict):
+        raise GateRejected("malformed-action", "the tool input is not an object")
+    raw = tool_input.get("file_path", tool_input.get("notebook_path"))
+    if not isinstance(raw, str) or not raw:
+        raise GateRejected("malformed-action", "the edit names no file_path")
+    full = Path(os.path.normpath(raw if os.path.isabs(raw) else run.worktree / raw))
+    for root in (run.worktree, run.worktree.resolve()):
+        if root in full.parents:
+            return [full.relative_to(root).as_posix()]
+    raise GateRejected(
+        "path-escape", f"{raw} is outside the run's worktree {run.worktree}; edit files inside it"
+    )
+
+
+def _command(tool_input: object) -> str:
+    command = tool_input.get("command") if isinstance(tool_input, dict) else None
+    if not isinstance(command, str):
+        raise GateRejected("malformed-action", "the Bash call names no command")
+    return command
+
+
+def pre_tool_use(run: tool_steps.ToolRun, payload: dict[str, Any]) -> HookAnswer:
+    call = _call(payload)
+    if not run.running():
+        return _refused(GateRejected("run-ended", f"the run is {run.state.phase}"))
+    try:
+        run.sweep(current=call.key)
+        tool_input = payload.get("tool_input")
+        if call.tool in EDIT_TOOLS:
+            run.check_paths(_edit_paths(run, tool_input))
+        elif call.tool == SHELL_TOOL:
+            run.check_command(_command(tool_input))
+    except GateRejected as exc:
+        return _refused(exc)
+    run.note_call(call)
+    return HookAnswer(0)
+
+
+def _refused(exc: GitrunError) -> HookAnswer:
+    rule = getattr(exc, "rule", "refused")
+    said = exc.message.removeprefix(f"{rule}: ")
+    return HookAnswer(BLOCK, stderr=f"gitrun refused this call (rule {rule}): {said}\n")
+
+
+def _streams(call: tool_steps.ToolCall, payload: dict[str, Any]) -> Streams | None:
+    """Bash's output as the tool reported it (other tools: their result is the change)."""
+    if call.tool != SHELL_TOOL:
+        return None
+    response = payload.get("tool_response")
+    if not isinstance(response, dict):
+        return None
+    out, err = response.get("stdout", ""), response.get("stderr", "")
+    trailers = []
+    if response.get("interrupted") is True:
+        trailers.append("Gitrun-Tool-Interrupted: true")
+    return Streams(
+        out.encode("utf-8", "replace") if isinstance(out, str) else b"",
+        err.encode("utf-8", "replace") if isinstance(err, str) else b"",
+        trailers,
+    )
+
+
+def post_tool_use(run: tool_steps.ToolRun, payload: dict[str, Any]) -> HookAnswer:
+    call = _call(payload)
+    if not run.running():
+        return HookAnswer(0)
+    noted = run.noted_call()
+    try:
+        run.record(call, _streams(call, payload))
+    except GateRejected as exc:
+        reason = (
+            f"gitrun undid this {call.tool} call's change (rule {exc.rule}): "
+            f"{exc.message.removeprefix(exc.rule + ': ')}"
+        )
+        return HookAnswer(0, stdout=json.dumps({"decision": "block", "reason": reason}))
+    finally:
+        if noted is not None and noted.key == call.key:
+            run.forget_call()
+    return HookAnswer(0)
+
+
+def session_start(run: tool_steps.ToolRun, payload: dict[str, Any]) -> HookAnswer:
+    del payload
+    if run.running():
+        try:
+            run.sweep()
+        except GateRejected as exc:
+            return HookAnswer(
+                0,
+                stdout=f"gitrun: the worktree holds a change the policy refuses: {exc}; "
+                "undo it before editing\n",
+            )
+    return HookAnswer(0)
+
+
+def stop(run: tool_steps.ToolRun, payload: dict[str, Any], *, finish: bool) -> HookAnswer:
+    del payload
+    rt = run.rt
+    if run.running():
+        run.sweep()
+        if finish:
+            from gitrun.engine.agents import Finish
+
+            run.agent.slot.put(Finish("Claude Code stopped"), None)
+            rt.step()
+    rt.env.sync_index()
+    s = rt.state
+    verdict = "" if s.verifier is None else f" ({encode(s.verifier).get('summary', '')})"
+    return HookAnswer(0, stderr=f"gitrun: run {s.run_id} is {s.phase}{verdict}\n")
+
+
+HANDLERS: dict[str, Callable[[tool_steps.ToolRun, dict[str, Any]], HookAnswer]] = {
+    "pre-tool-use": pre_tool_use,
+    "post-tool-use": post_tool_use,
+    "session-start": session_start,
+}
+EVENTS = (*HANDLERS, "stop", "finish")
+
+
+def hook(event: str, run_id: str, opts: Options, raw: bytes, *, finish: bool) -> HookAnswer:
+    """One hook: the run opened under its lease, the event handled, the lease let go."""
+    if event not in EVENTS:
+        raise BadInput(f"unknown hook event {event!r}; one of {', '.join(EVENTS)}")
+    payload = read_payload(raw) if event != "finish" else {}
+    with tool_steps.opened_run(run_id, opts) as run:
+        if event in ("stop", "finish"):
+            return stop(run, payload, finish=finish or event == "finish")
+        return HANDLERS[event](run, payload)
+
+
+HOOK_USAGE = (
+    "usage: gitrun hook {pre-tool-use|post-tool-use|session-start|stop|finish} --run RUN "
+    "[--workspace DIR] [--key-file FILE] [--finish]  (Claude Code's hook JSON on stdin)"
+)
+LEASE_WAIT_SECONDS = 60.0  # hooks of one session run one after another; a slow one is waited on
+
+
+def parse_hook_args(argv: list[str]) -> tuple[str, str, Path | None, Path | None, bool]:
+    """``EVENT --run RUN [--workspace DIR] [--key-file FILE] [--finish]``; BadInput else."""
+    if not argv or argv[0].startswith("-"):
+        raise BadInput(HOOK_USAGE)
+    event, rest = argv[0], argv[1:]
+    values: dict[str, str] = {}
+    finish = False
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == "--finish":
+            finish = True
+            i += 1
+        elif arg in ("--run", "--workspace", "--key-file") and i + 1 < len(rest):
+            values[arg] = rest[i + 1]
+            i += 2
+        else:
+            raise BadInput(f"gitrun hook: unexpected {arg!r}; {HOOK_USAGE}")
+    if "--run" not in values:
+        raise BadInput(f"gitrun hook: --run RUN is required; {HOOK_USAGE}")
+    ws = values.get("--workspace")
+    key = values.get("--key-file")
+    return (event, values["--run"], Path(ws) if ws else None,
+            Path(key) if key else None, finish)  # fmt: skip
+
+
+def _with_lease(fn: Callable[[], HookAnswer]) -> HookAnswer:
+    """``fn``, waiting while another hook of the run holds its lease (a live process)."""
+    import time
+
+    from gitrun.core.errors import LeaseHeld
+
+    deadline = time.monotonic() + LEASE_WAIT_SECONDS
+    delay = 0.01
+    while True:
+        try:
+            return fn()
+        except LeaseHeld:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+
+def hook_main(argv: list[str]) -> int:
+    """``gitrun hook …``: one line on stderr for any refusal; a pre-tool-use hook that
+    cannot decide blocks the call (exit 2), never lets it through unrecorded."""
+    from gitrun.app.opening import cli_options
+    from gitrun.core.errors import Exit
+
+    event = argv[0] if argv else ""
+    try:
+        event, run_id, workspace, key_file, finish = parse_hook_args(argv)
+        opts = cli_options(workspace, key_file)
+        raw = sys.stdin.buffer.read(MAX_PAYLOAD + 1) if event != "finish" else b""
+        answer = _with_lease(lambda: hook(event, run_id, opts, raw, finish=finish))
+    except GitrunError as exc:
+        internal = "internal error: " if exc.exit_code == Exit.INTERNAL else ""
+        sys.stderr.write(f"gitrun: {internal}{exc}\n")
+        return BLOCK if event == "pre-tool-use" else int(exc.exit_code)
+    except Exception as exc:
+        if os.environ.get("GITRUN_DEBUG"):
+            raise
+        sys.stderr.write(f"gitrun: internal error: {type(exc).__name__}: {exc}\n")
+        return BLOCK if event == "pre-tool-use" else int(Exit.INTERNAL)
+    if answer.stdout:
+        sys.stdout.write(answer.stdout)
+    if answer.stderr:
+        sys.stderr.write(answer.stderr)
+    return answer.code

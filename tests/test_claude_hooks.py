@@ -1,0 +1,150 @@
+"""gitrun's Claude Code hooks as Claude Code runs them — one ``gitrun hook EVENT`` process
+per call, its JSON on stdin — without the CLI: the scan cache never hides a change, bad
+input is one line and changes nothing, a pre-tool-use hook that cannot decide blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import git
+
+GITRUN = [sys.executable, "-m", "gitrun"]
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(workspace, repository, worktree) of a fresh Claude Code run ``c1``."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "a.txt").write_text("aaaa\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base")
+    ws = tmp_path / "ws"
+    made = gitrun(ws, "claude", "--repo", str(repo), "--run-id", "c1", "--no-launch")
+    assert made.returncode == 0, made.stderr
+    return ws, repo, ws / "worktrees" / "c1"
+
+
+def gitrun(ws: Path, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, "GITRUN_HOME": str(ws)}
+    return subprocess.run([*GITRUN, *args], input=stdin, capture_output=True, env=env,
+                          timeout=120, check=False)  # fmt: skip
+
+
+def hook(
+    ws: Path, event: str, tool: str, key: str, tool_input: dict[str, object]
+) -> subprocess.CompletedProcess[bytes]:
+    name = {"pre-tool-use": "PreToolUse", "post-tool-use": "PostToolUse"}[event]
+    data = {"session_id": "s-1", "hook_event_name": name, "tool_name": tool,
+            "tool_input": tool_input, "tool_use_id": key,
+            "tool_response": {"stdout": "", "stderr": "", "interrupted": False}}  # fmt: skip
+    return gitrun(ws, "hook", event, "--run", "c1", "--workspace", str(ws),
+                  stdin=json.dumps(data).encode())  # fmt: skip
+
+
+def subjects(repo: Path) -> list[str]:
+    return git(repo, "log", "--reverse", "--format=%s", "main..gitrun/c1").split()
+
+
+def call(ws: Path, key: str, change: object = None) -> None:
+    pre = hook(ws, "pre-tool-use", "Bash", key, {"command": "true"})
+    assert pre.returncode == 0, pre.stderr
+    if callable(change):
+        change()
+    post = hook(ws, "post-tool-use", "Bash", key, {"command": "true"})
+    assert (post.returncode, post.stdout) == (0, b""), post.stderr
+
+
+def test_a_same_size_rewrite_with_its_old_mtime_restored_is_still_recorded(
+    run: tuple[Path, Path, Path],
+) -> None:
+    ws, repo, wt = run
+    call(ws, "toolu_first_call")  # the scan cache now knows a.txt
+    call(ws, "toolu_second_call")
+    target = wt / "a.txt"
+    st = os.stat(target)
+
+    def sneak() -> None:
+        target.write_text("bbbb\n")  # same size
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # old mtime back
+
+    call(ws, "toolu_sneaky_call", sneak)
+    assert git(repo, "show", "gitrun/c1:a.txt") == "bbbb\n"
+    assert git(repo, "log", "-1", "--format=%s", "gitrun/c1").strip() == "gitrun: Bash a.txt"
+
+
+def test_a_garbled_scan_cache_only_costs_a_full_scan(run: tuple[Path, Path, Path]) -> None:
+    ws, repo, wt = run
+    call(ws, "toolu_first_call")
+    cache = repo / ".git" / "worktrees" / "gitrun-c1" / "gitrun-scan-cache.json"
+    assert cache.is_file()
+    cache.write_bytes(b"gitrun-scan-cache/1\n\x00\x00garbage")
+    call(ws, "toolu_second_call", lambda: (wt / "a.txt").write_text("cccc\n"))
+    assert git(repo, "show", "gitrun/c1:a.txt") == "cccc\n"
+
+
+def test_bad_hook_input_is_one_line_and_a_pre_tool_use_hook_that_cannot_decide_blocks(
+    run: tuple[Path, Path, Path],
+) -> None:
+    ws, repo, _ = run
+    pre = gitrun(ws, "hook", "pre-tool-use", "--run", "c1", stdin=b"{not json")
+    assert pre.returncode == 2
+    assert pre.stderr.decode().startswith("gitrun: hook input is not JSON")
+    assert pre.stderr.count(b"\n") == 1
+    post = gitrun(ws, "hook", "post-tool-use", "--run", "c1", stdin=b"[1]")
+    assert (post.returncode, post.stderr) == (2, b"gitrun: hook input is not a JSON object\n")
+    unknown = gitrun(ws, "hook", "pre-tool-use", "--run", "nope", stdin=b"{}")
+    assert unknown.returncode == 2
+    assert b"unknown run id 'nope'" in unknown.stderr
+    usage = gitrun(ws, "hook", "post-tool-use")
+    assert usage.returncode == 2
+    assert b"--run RUN is required" in usage.stderr
+    assert subjects(repo) == []
+
+
+def test_an_edit_outside_the_worktree_is_blocked_before_it_runs(
+    run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    ws, repo, wt = run
+    outside = hook(ws, "pre-tool-use", "Write", "toolu_outside_1",
+                   {"file_path": str(tmp_path / "elsewhere.txt"), "content": "x"})  # fmt: skip
+    assert outside.returncode == 2
+    assert b"(rule path-escape)" in outside.stderr
+    edit: dict[str, object] = {"file_path": str(wt / ".git"), "old_string": "a", "new_string": "b"}
+    dotgit = hook(ws, "pre-tool-use", "Edit", "toolu_dotgit_01", edit)
+    assert dotgit.returncode == 2, dotgit.stderr
+    assert subjects(repo) == []
+
+
+@pytest.mark.parametrize(
+    ("plant", "rule"),
+    [
+        (lambda wt: (wt / "sub" / ".git").mkdir(parents=True), "exec-dotgit"),
+        (lambda wt: os.link(wt / "a.txt", wt / "b.txt"), "exec-hard-link"),
+    ],
+    ids=["nested-dotgit", "hard-link"],
+)
+def test_a_tool_calls_change_meets_the_exec_steps_output_checks(
+    run: tuple[Path, Path, Path], plant: object, rule: str
+) -> None:
+    """A Bash call's change is checked exactly as an exec step's output: a planted .git,
+    a hard link are undone, the rule named to the model, nothing committed."""
+    ws, repo, wt = run
+    before = subjects(repo)
+    key = "toolu_hostile_call"
+    pre = hook(ws, "pre-tool-use", "Bash", key, {"command": "true"})
+    assert pre.returncode == 0, pre.stderr
+    assert callable(plant)
+    plant(wt)
+    post = hook(ws, "post-tool-use", "Bash", key, {"command": "true"})
+    assert f"rule {rule}" in post.stdout.decode(), (post.returncode, post.stdout, post.stderr)
+    assert subjects(repo) == before
+    assert sorted(p.name for p in wt.iterdir()) == [".git", "a.txt"]
+    call(ws, "toolu_next_call", lambda: (wt / "a.txt").write_text("next\n"))  # not wedged
+    assert git(repo, "show", "gitrun/c1:a.txt") == "next\n"
