@@ -192,6 +192,29 @@ def execute(
     ctx: ExecContext,
 ) -> Outcome:
     """Run the exec step at most once for ``key`` (see the module docstring)."""
+    begun = _replay_or_head(env, action, key, intent_digest, pre, fence, approval)
+    if isinstance(begun, Outcome):
+        return begun
+    head = begun
+    ran = _run_on_clean_tree(env, action, key, head, fence, ctx)
+    code = TIMEOUT if ran.exit_code is None else str(ran.exit_code)
+    streams = Streams(ran.stdout, ran.stderr, [f"Gitrun-Exit-Code: {code}"])
+    return _commit_change(
+        env, action, key, intent_digest, pre, fence, approval, head, ctx.gate, streams
+    )
+
+
+def _replay_or_head(
+    env: Environment,
+    action: Action,
+    key: str,
+    intent_digest: str,
+    pre: Precondition,
+    fence: Fence,
+    approval: Approval | None,
+) -> Outcome | pygit2.Commit:
+    """The receipt ``key`` already has (replayed), or HEAD once the precondition and the
+    fence hold: where an exec step and a tool step both begin."""
     if action.intent_digest() != intent_digest:
         raise Refused(f"intent digest {intent_digest} does not match the action")
     found = env.lookup(key, since=pre.head)
@@ -202,12 +225,7 @@ def execute(
     head = env.head()
     env._check_precondition(head, pre)
     env._check_fence(head, fence, approval)
-    ran = _run_on_clean_tree(env, action, key, head, fence, ctx)
-    code = TIMEOUT if ran.exit_code is None else str(ran.exit_code)
-    streams = Streams(ran.stdout, ran.stderr, [f"Gitrun-Exit-Code: {code}"])
-    return _commit_change(
-        env, action, key, intent_digest, pre, fence, approval, head, ctx.gate, streams
-    )
+    return head
 
 
 @dataclass(frozen=True)
@@ -244,16 +262,10 @@ def record_tool(
     the worktree: the whole worktree against HEAD, gated path by path and committed as
     ONE write commit, exactly as an exec step's change after its command (a change the
     gate refuses puts the worktree back to HEAD and raises :class:`ExecRefused`)."""
-    if action.intent_digest() != intent_digest:
-        raise Refused(f"intent digest {intent_digest} does not match the action")
-    found = env.lookup(key, since=pre.head)
-    if found is not None:
-        if found.intent_digest != intent_digest:
-            raise ReceiptConflict(found, intent_digest)
-        return Outcome(found, replayed=True)
-    head = env.head()
-    env._check_precondition(head, pre)
-    env._check_fence(head, fence, approval)
+    begun = _replay_or_head(env, action, key, intent_digest, pre, fence, approval)
+    if isinstance(begun, Outcome):
+        return begun
+    head = begun
     streams = ctx.observed or Streams(b"", b"", [])
     return _commit_change(
         env, action, key, intent_digest, pre, fence, approval, head, ctx.gate, streams, ctx.cache
