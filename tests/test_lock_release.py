@@ -8,6 +8,7 @@ is per open file: a leaked descriptor of this process conflicts with it too)."""
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import subprocess
 import sys
@@ -55,7 +56,10 @@ def held_elsewhere(path: str | Path) -> Iterator[None]:
 
 def open_fds() -> set[str]:
     """This process's open lock files (flock files and ``.lock`` files): other
-    descriptors (the journal, a cached one, another test's thread) come and go."""
+    descriptors (the journal, a cached one, another test's thread) come and go. Garbage
+    is collected first: an earlier test's dropped runtime closes its owner locks only
+    when collected, which under xdist could fall inside the block measured."""
+    gc.collect()
     found = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
