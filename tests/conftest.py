@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from helpers import (
     snapshot,
 )
 from remote_helpers import git_daemon
+from swebench_data import BUNDLE, make_repos
 
 # What test modules import from here (most of it made in helpers.py).
 __all__ = [
@@ -152,3 +154,22 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
 def templates(tmp_path_factory: pytest.TempPathFactory) -> Templates:
     """Template runs made once a session; a test works on ``template.copy(tmp_path / ...)``."""
     return Templates(tmp_path_factory.mktemp("templates"))
+
+
+@pytest.fixture(scope="module")
+def envs() -> Iterator[Path]:
+    """One SWE-bench environment cache per test module (each venv built once, as in real
+    use), outside /tmp: the verifier's sandbox replaces /tmp by an empty tmpfs."""
+    path = Path(tempfile.mkdtemp(prefix="gitrun-swebench-envs-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def world(tmp_path: Path, envs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The bundled SWE-bench repositories under tmp/repos (base commits as bundled), the
+    bundled spec file beside them, and the module's environment cache."""
+    make_repos(tmp_path / "repos")
+    shutil.copy(BUNDLE / "specs.json", tmp_path / "repos" / "gitrun-swebench.json")
+    monkeypatch.setenv("GITRUN_SWEBENCH_ENVS", str(envs))
+    return tmp_path

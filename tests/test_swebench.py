@@ -7,15 +7,13 @@ import random
 import re
 import shutil
 import signal
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import Gitrun, git
-from swebench_data import BUNDLE, OWNER, bundle, make_repos
+from swebench_data import BUNDLE, OWNER, bundle
 
 MEDIAN = f"{OWNER}__fix-median-1"
 SLUG = f"{OWNER}__slugify-unicode-1"
@@ -23,24 +21,6 @@ IDS = sorted([MEDIAN, SLUG])
 # A batch's time limit. The module's first batch also builds the test environments (a venv
 # and a pip install each): on a loaded machine that took over 120 s. Not what is tested.
 BATCH_SECONDS = 240  # under the suite's 300 s per test: this one names the command
-
-
-@pytest.fixture(scope="module")
-def envs() -> Iterator[Path]:
-    """One environment cache for the module (each venv built once, as in real use), outside
-    /tmp: the verifier's sandbox replaces /tmp by an empty tmpfs."""
-    path = Path(tempfile.mkdtemp(prefix="gitrun-swebench-envs-", dir="/var/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def world(tmp_path: Path, envs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Repositories under tmp/repos (base commits as bundled) and the spec file beside them."""
-    make_repos(tmp_path / "repos")
-    shutil.copy(BUNDLE / "specs.json", tmp_path / "repos" / "gitrun-swebench.json")
-    monkeypatch.setenv("GITRUN_SWEBENCH_ENVS", str(envs))
-    return tmp_path
 
 
 def batch(

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ from helpers import Gitrun
 from swebench import types as harness_types  # the test extra's judge: never skipped
 from swebench.harness.reporting import make_run_report
 from swebench.harness.run_evaluation import run_instance
-from swebench_data import BUNDLE, OWNER, make_repos
+from swebench_data import BUNDLE, OWNER
 
 MEDIAN = f"{OWNER}__fix-median-1"
 SLUG = f"{OWNER}__slugify-unicode-1"
@@ -35,21 +33,6 @@ HARNESS_FIELDS = (
     "empty_patch_ids", "submitted_ids", "resolved_ids", "unresolved_ids", "infra_failure_ids",
     "ambiguous_failure_ids", "failure_reasons", "error_ids", "schema_version",
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def envs() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="gitrun-swebench-envs-", dir="/var/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def world(tmp_path: Path, envs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    make_repos(tmp_path / "repos")
-    shutil.copy(BUNDLE / "specs.json", tmp_path / "repos" / "gitrun-swebench.json")
-    monkeypatch.setenv("GITRUN_SWEBENCH_ENVS", str(envs))
-    return tmp_path
 
 
 def _records() -> list[dict[str, Any]]:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import Gitrun, git
-from swebench_data import BUNDLE, OWNER, make_repos
+from swebench_data import BUNDLE, OWNER
 
 MEDIAN = f"{OWNER}__fix-median-1"
 FIX = Path(__file__).resolve().parent.parent / "sandboxes" / "fix-median" / "patches" / "fix.diff"
@@ -42,21 +41,6 @@ ATEXIT_REWRITE = (
     "    open(path, 'w').write(text.replace('failures=\"3\"', 'failures=\"0\"'))\n\n\n"
     "_atexit.register(_forge)\n"
 )
-
-
-@pytest.fixture(scope="module")
-def envs() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="gitrun-swebench-envs-", dir="/var/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def world(tmp_path: Path, envs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    make_repos(tmp_path / "repos")
-    shutil.copy(BUNDLE / "specs.json", tmp_path / "repos" / "gitrun-swebench.json")
-    monkeypatch.setenv("GITRUN_SWEBENCH_ENVS", str(envs))
-    return tmp_path
 
 
 def repo(world: Path) -> Path:

@@ -92,19 +92,19 @@ def plan_jobs(req: Request) -> tuple[list[Instance], list[Job], list[str]]:
         pred = preds.get(inst.instance_id)
         if pred is None:
             continue
-        spec = inst.spec or _with_eval_script(
-            inst,
-            specs.get(inst.env_key)
-            or specs.get(inst.repo)
-            or harness_spec(inst.repo, inst.version),
-        )
+        spec, directives = inst.spec or specs.get(inst.env_key) or specs.get(inst.repo), None
+        if spec is None:  # the package's spec, and its own test directives with it
+            spec = harness_spec(inst.repo, inst.version)
+            directives = None if spec is None else harness_directives(inst)
+        if inst.spec is None:
+            spec = _with_eval_script(inst, spec)
         if spec is None:
             raise BadInput(
                 f"instance {inst.instance_id}: no test_cmd in the record, no entry for "
                 f"{inst.env_key} or {inst.repo} in {req.specs or req.repos / SPEC_FILE}, none "
                 "in the installed swebench package's spec map, and no eval_script"
             )
-        jobs.append(Job(inst, pred, spec))
+        jobs.append(Job(inst, pred, spec, directives))
     # submitted, as the harness counts it: every prediction of the file (those outside
     # --instance-ids too); gold: the instances selected
     submitted = sorted(preds) if data is not None else [j.inst.instance_id for j in jobs]
@@ -125,6 +125,23 @@ def harness_spec(repo: str, version: str) -> RepoSpec | None:
         return None
     spec = swebench.spec_from(entry, f"swebench's spec for {repo}@{version}", strict=False)
     return None if spec is None else replace(spec, directives=True)
+
+
+def harness_directives(inst: Instance) -> tuple[str, ...] | None:
+    """The test directives the installed ``swebench`` 4.x package's own
+    ``get_test_directives`` gives for ``inst`` (the harness appends them to its spec's
+    test command); None where the package has no such function (5.x)."""
+    try:
+        from swebench.harness.test_spec.python import (  # type: ignore[import-not-found,unused-ignore]
+            get_test_directives,
+        )
+    except ImportError:
+        return None
+    row = {"repo": inst.repo, "instance_id": inst.instance_id, "test_patch": inst.test_patch}
+    found = get_test_directives(row)
+    if not isinstance(found, list) or not all(isinstance(d, str) for d in found):
+        return None
+    return tuple(found)
 
 
 def _with_eval_script(inst: Instance, spec: RepoSpec | None) -> RepoSpec | None:

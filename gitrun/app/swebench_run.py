@@ -62,6 +62,9 @@ class Job:
     inst: Instance
     pred: Prediction
     spec: RepoSpec
+    # the test directives the installed swebench package computed (4.x's
+    # get_test_directives); None: gitrun's copy of that function
+    directives: tuple[str, ...] | None = None
 
 
 def log_dir(ctx: Context, model: str, iid: str) -> Path:
@@ -89,7 +92,8 @@ def test_command(job: Job) -> str:
     lists every test's outcome, the lines the harness's parser reads."""
     cmd = job.spec.test_cmd
     if job.spec.directives:
-        cmd = " ".join([cmd, *(shlex.quote(d) for d in swebench.test_directives(job.inst))])
+        found = swebench.test_directives(job.inst) if job.directives is None else job.directives
+        cmd = " ".join([cmd, *(shlex.quote(d) for d in found)])
     return cmd + (" -rA" if _runs_pytest(job.spec) else "")
 
 

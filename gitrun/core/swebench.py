@@ -340,6 +340,8 @@ _NON_TEST_EXTS = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl"
 def test_directives(inst: Instance) -> tuple[str, ...]:
     """What the harness appends to the test command (4.x ``get_test_directives``): the
     files the test patch touches, data files left out; Django's as dotted test modules."""
+    if inst.repo == "swe-bench/humaneval":  # the harness's fixed command for that repo
+        return ("test.py",)
     found = re.findall(r"diff --git a/.* b/(.*)", inst.test_patch)
     paths = [d for d in found if not d.endswith(_NON_TEST_EXTS)]
     if inst.repo == "django/django":
