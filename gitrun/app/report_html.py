@@ -42,7 +42,9 @@ margin:8px 0;padding:8px 12px}.ev-checkpoint{padding:4px 12px;font-size:13px}.ev
 .ev-checkpoint{border-left-color:#8250df;background:#fbf8ff}.ev-receipt{border-left-color:#0969da}
 .ev-gate_rejected{border-left-color:#cf222e;background:#fff5f5}.ev-intent{border-left-color:#bf8700}
 .ev-verifier.pass{border-left-color:#1a7f37}.ev-verifier.fail{border-left-color:#cf222e}
-.ev-resume{border-left-color:#fb8500;background:#fff8f0}.ev-approval,.ev-review_decision{border-left-color:#1a7f37}
+.ev-resume{border-left-color:#fb8500;background:#fff8f0}
+.ev-takeover{border-left-color:#cf222e;background:#fff0f3}
+.ev-approval,.ev-review_decision{border-left-color:#1a7f37}
 code,pre{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12.5px}
 pre{background:#f6f8fa;border:1px solid #eaeef2;border-radius:4px;padding:6px 8px;margin:6px 0;
 overflow-x:auto;white-space:pre-wrap;word-break:break-all}
@@ -193,8 +195,7 @@ def _receipt(e: dict[str, Any]) -> str:
 
 def _resume(e: dict[str, Any]) -> str:
     why = (
-        "the previous process was interrupted while running (killed, crashed, or its lease "
-        "taken over)"
+        "the previous process was interrupted while running (killed or crashed)"
         if e["interrupted"]
         else f"the run had stopped ({e['previous_phase']})"
     )
@@ -204,6 +205,25 @@ def _resume(e: dict[str, Any]) -> str:
         f"v{esc(e['from_lease'])}; now: worker {esc(e['worker'])}</p>"
     )
     return _li("resume", head, e["at"], body, "interrupted" if e["interrupted"] else "")
+
+
+def _takeover(e: dict[str, Any]) -> str:
+    head = (
+        f'Lease taken over: worker <span class="to-worker">{esc(e["worker"])}</span> '
+        f"(lease v{esc(e['lease'])}) took the run from worker "
+        f'<span class="from-worker">{esc(e["from_worker"])}</span> '
+        f"(lease v{esc(e['from_lease'])})"
+    )
+    rows = [("previous holder", e["from_worker"]), ("its lease", e["from_lease"]),
+            ("last renewed", e["from_renewed_at"]), ("expires", e["from_expires_at"]),
+            ("new holder", e["worker"]), ("new lease", e["lease"]),
+            ("phase", e["previous_phase"])]  # fmt: skip
+    body = (
+        f"<p>not a resume after a crash: worker {esc(e['from_worker'])} was still at work "
+        f"on the run (stopped, hung or out of reach) when {esc(e['how'])}; any write it "
+        f"tries under lease v{esc(e['from_lease'])} is refused</p>{facts(rows)}"
+    )
+    return _li("takeover", head, e["at"], body)
 
 
 def _checkpoint(e: dict[str, Any]) -> str:
@@ -275,6 +295,8 @@ def run_page(r: dict[str, Any]) -> str:
             items.append(_checkpoint(e))
         elif e["kind"] == "resume":
             items.append(_resume(e))
+        elif e["kind"] == "takeover":
+            items.append(_takeover(e))
         else:
             items.append(_event(e))
     body = f'<h2>Timeline (oldest first)</h2><ol class="timeline">{"".join(items)}</ol>'

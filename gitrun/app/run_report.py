@@ -18,7 +18,7 @@ from gitrun.adapter.show import commit_diff
 from gitrun.app.opening import Opened, Options, load_verified, open_run
 from gitrun.core.codec import encode
 from gitrun.core.errors import CheckpointRejected
-from gitrun.core.records import Receipt, RunState
+from gitrun.core.records import LEASE_TAKEOVER, Event, Receipt, RunState
 from gitrun.store import sshsig
 from gitrun.store.checkpoint import Stored
 
@@ -77,9 +77,9 @@ def _checkpoint_entry(stored: Stored, ssh: str) -> dict[str, Any]:
 
 
 def _resume_entry(s: RunState, prev: RunState) -> dict[str, Any] | None:
-    """A new lease: another process carried on from ``prev`` (a resume, or a takeover of a
-    worker that stopped renewing); after a checkpoint still "running", that process was
-    interrupted (killed, crashed, lost its lease)."""
+    """A new lease: another process carried on from ``prev``; after a checkpoint still
+    "running", that process was interrupted (killed or crashed: a takeover from a worker
+    still at work is recorded as one, :func:`_takeover_entry`)."""
     if s.lease_version == prev.lease_version:
         return None
     return {
@@ -92,6 +92,30 @@ def _resume_entry(s: RunState, prev: RunState) -> dict[str, Any] | None:
         "previous_phase": prev.phase,
         "interrupted": prev.phase == "running",
     }
+
+
+def _takeover_entry(ev: Event, prev: RunState | None) -> dict[str, Any]:
+    """The lease taken from a worker still at work on the run (stopped, hung, out of
+    reach): who held it under which lease, who took it, and how."""
+    d = ev.data if isinstance(ev.data, dict) else {}
+    return {
+        "kind": "takeover",
+        "at": _when(ev.at),
+        "worker": str(d.get("worker", "")),
+        "lease": d.get("lease", ""),
+        "from_worker": str(d.get("from_worker", "")),
+        "from_lease": d.get("from_lease", ""),
+        "how": str(d.get("how", "")),
+        "from_renewed_at": _maybe_when(d.get("from_renewed_at")),
+        "from_expires_at": _maybe_when(d.get("from_expires_at")),
+        "previous_phase": prev.phase if prev is not None else "",
+    }
+
+
+def _maybe_when(at: object) -> str:
+    if isinstance(at, int | float) and not isinstance(at, bool):
+        return _when(float(at))
+    return "-"
 
 
 def _event_entry(kind: str, at: float, data: Any) -> dict[str, Any]:
@@ -150,7 +174,7 @@ def _timeline(
     opened: Opened, chain: list[Stored], receipts: list[Receipt], ssh: dict[str, str]
 ) -> list[dict[str, Any]]:
     """Each checkpoint after the events it recorded, oldest first; each receipt placed at
-    its event; a resume marked where a new lease begins."""
+    its event; a resume (or a takeover) marked where a new lease begins."""
     by_commit = {r.commit: r for r in receipts}
     actions: dict[str, Any] = {}
     out: list[dict[str, Any]] = []
@@ -160,10 +184,15 @@ def _timeline(
         s = stored.state
         if s.pending is not None:
             actions[s.pending.key] = encode(s.pending.action)
+        takeover = next((ev for ev in s.events if ev.kind == LEASE_TAKEOVER), None)
         resumed = _resume_entry(s, prev) if prev is not None else None
-        if resumed is not None:
+        if takeover is not None:  # a new lease, taken from a worker still at work
+            out.append(_takeover_entry(takeover, prev))
+        elif resumed is not None:
             out.append(resumed)
         for ev in s.events:  # what happened since the previous checkpoint, then it
+            if ev.kind == LEASE_TAKEOVER:
+                continue
             if ev.kind == "receipt":
                 commit = str(ev.data.get("receipt", {}).get("commit", ""))
                 found = by_commit.get(commit)

@@ -33,7 +33,7 @@ from gitrun.app.status import (
 )
 from gitrun.app.workspace import RunRecord, check_run_id
 from gitrun.core import trailer
-from gitrun.core.errors import CheckpointRejected, LeaseUnreadable, RefLocked
+from gitrun.core.errors import CheckpointRejected, LeaseHeld, LeaseUnreadable
 from gitrun.core.records import RunState
 from gitrun.core.task import Task, load_task
 from gitrun.store import journal
@@ -72,8 +72,9 @@ def quick(run_id: str, opts: Options) -> RunStatus | None:
         return None  # after a power cut: the pygit2 path recovers the journal first
     try:
         return _read(git, record, task, opts)
-    except RefLocked:
-        raise  # the run's witness stayed locked the full wait: the pygit2 path would too
+    except LeaseHeld:
+        raise  # the run's witness is locked by a stopped process, or for the full wait: the
+        # pygit2 path would say so too
     except Exception:  # any doubt, any refusal: the pygit2 path answers
         return None
     finally:

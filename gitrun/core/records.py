@@ -42,6 +42,10 @@ FAILED = "failed"
 PHASES = (RUNNING, AWAITING_APPROVAL, NEEDS_REVIEW, DONE, FAILED)
 TERMINAL = (DONE, FAILED)
 
+# The trace event a checkpoint carries when its worker took the run's lease from another
+# worker still at work on it (see gitrun.engine.recovery.record_takeover).
+LEASE_TAKEOVER = "lease_takeover"
+
 
 @dataclass(frozen=True)
 class Action:

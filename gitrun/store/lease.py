@@ -158,6 +158,10 @@ class LeaseManager:
         self.lease: Lease | None = None
         self._oid: pygit2.Oid | None = None
         self._owner_lock: filelock.BaseFileLock | None = None
+        # The lease the last acquire took from another worker not known to be gone (its
+        # lease expired or went stale while its process lived on, or lives elsewhere): a
+        # takeover, which the run's next checkpoint records. None after a plain resume.
+        self.taken_over: Lease | None = None
 
     def _claim_owner_lock(self) -> bool:
         """Take this worker's OS-level owner lock on the run without waiting.
@@ -212,6 +216,7 @@ class LeaseManager:
         highest lease version that ever wrote to the run; a lease ref deleted (or put back)
         by hand must not start below it, or the first write would be a stale fence."""
         current, oid = self.check_takeable(takeover_after)
+        taken_over = self.takeover_of(current)
         now = time.time()
         version = next_version(current, self.worker, floor)
         lease = Lease(
@@ -229,7 +234,16 @@ class LeaseManager:
                 expires,
                 f"another worker took run {self.run_id} first: {owner} until {_until(expires)}",
             ) from exc
+        self.taken_over = taken_over
         return lease
+
+    def takeover_of(self, current: Lease | None) -> Lease | None:
+        """``current`` when taking it is a takeover: another worker's lease, whose owner is
+        not known gone (a released lease's owner let its owner lock go with it; a killed
+        one's kernel did)."""
+        if current is None or current.owner_worker == self.worker:
+            return None
+        return None if self._owner_dead(current.owner_worker) else current
 
     def check_takeable(
         self, takeover_after: float | None = None

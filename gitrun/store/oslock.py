@@ -191,21 +191,22 @@ def _open_lock_file(path: Path | str) -> int:
         ) from exc
 
 
-def busy_error(name: str, exc: LockBusy, timeout: float) -> LeaseHeld:
-    """Who holds ``name``'s OS lock, and what to do about it (exit 4, like a held lease)."""
+def busy_error(name: str, exc: LockBusy, timeout: float, what: str = "ref") -> LeaseHeld:
+    """Who holds ``name``'s OS lock, and what to do about it (exit 4, like a held lease).
+    ``what`` names the kind of thing locked (a ref, the witness of a run)."""
     holder = exc.holder
     who = holder.describe() if holder else "a process that left no holder record"
     owner = (holder.worker or f"pid {holder.pid}") if holder else "unknown"
     if exc.stopped and holder is not None:
         message = (
-            f"ref {name} is locked by a stopped process: {who}; it keeps the lock while "
+            f"{what} {name} is locked by a stopped process: {who}; it keeps the lock while "
             f"paused: let it go on (kill -CONT {holder.pid}) or end it (kill -KILL {holder.pid}), "
             "then retry"
         )
     else:
         end = f" (or end it: kill -KILL {holder.pid})" if holder else ""
         message = (
-            f"ref {name} is held by a live gitrun process for over "
+            f"{what} {name} is held by a live gitrun process for over "
             f"{timeout:.0f}s: {who}; try again when it finishes{end}"
         )
     return LeaseHeld(owner, 0.0, message)

@@ -82,6 +82,7 @@ class RemoteLeaseStore(LeaseManager):
     ) -> Lease:
         """Take the lease (see the LeaseStore contract) by one leased push."""
         current, oid = self.check_takeable(takeover_after)
+        taken_over = self.takeover_of(current)
         now = time.time()
         version = next_version(current, self.worker, floor)
         lease = Lease(
@@ -98,7 +99,7 @@ class RemoteLeaseStore(LeaseManager):
             self._drop_owner_lock()
             raise self._lost_race()
         self.site.cache([update])
-        self.lease, self._oid = lease, blob
+        self.lease, self._oid, self.taken_over = lease, blob, taken_over
         return lease
 
     def _lost_race(self) -> LeaseHeld:

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gitrun.core import faults
-from gitrun.core.errors import CheckpointRejected, GitrunError, RefLocked, StorageFailed
+from gitrun.core.errors import CheckpointRejected, GitrunError, StorageFailed
 from gitrun.store.atomicfile import atomic_file, fsync_dir, read_bytes
 from gitrun.store.keys import Keyring
-from gitrun.store.oslock import acquire
+from gitrun.store.oslock import LockBusy, acquire, busy_error
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -102,12 +102,8 @@ class Witness:
             except FileNotFoundError:  # the first run of this workspace: its own 0700 dir
                 self._ensure_dir()
                 fd = acquire(lock, LOCK_TIMEOUT_SECONDS, make_dir=False)
-        except TimeoutError as exc:
-            raise RefLocked(
-                f"witness/{run_id}",
-                f"the witness of run {run_id} is locked by a live gitrun process for over "
-                f"{LOCK_TIMEOUT_SECONDS:.0f}s; try again when it finishes",
-            ) from exc
+        except LockBusy as exc:  # a stopped holder at once, a running one after the wait
+            raise busy_error(run_id, exc, LOCK_TIMEOUT_SECONDS, "the witness of run") from exc
         try:
             yield
         finally:
