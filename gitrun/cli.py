@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
@@ -24,6 +23,16 @@ from gitrun.app.inputs import stdin_patch_spec
 from gitrun.app.opening import cli_options
 from gitrun.app.reports import approval_text, review_text, ttl_seconds
 from gitrun.app.workspace import Workspace
+from gitrun.cli_options import (
+    IsolationOpt,
+    KeyFileOpt,
+    LeaseOpt,
+    RemoteOpt,
+    TakeoverOpt,
+    TrustOpt,
+    WorkerOpt,
+    WorkspaceOpt,
+)
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.records import DONE, RunState
@@ -50,54 +59,6 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(review_app, name="review")
 
 
-def _finite(value: float | None) -> float | None:
-    """Typer callback: refuse ``inf`` and ``nan`` (click's range check lets nan through)."""
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter(f"{value} is not a finite number of seconds")
-    return value
-
-
-WorkspaceOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--workspace", envvar="GITRUN_HOME", help="State directory (default: the user's data dir)."
-    ),
-]
-KeyFileOpt = Annotated[
-    Path | None,
-    typer.Option("--key-file", envvar="GITRUN_KEY_FILE", help="Checkpoint HMAC keyring."),
-]
-WorkerOpt = Annotated[
-    str | None, typer.Option("--worker-id", help="This worker's id (default: host-pid-random).")
-]
-LeaseOpt = Annotated[
-    float,
-    typer.Option("--lease-seconds", min=1.0, callback=_finite, help="Lease duration."),
-]
-TakeoverOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--takeover-after",
-        min=0.0,
-        callback=_finite,
-        help="Take over a lease not renewed for this long.",
-    ),
-]
-TrustOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--trust-roots", envvar="GITRUN_TRUST_ROOTS", help="Public keys of approvers/reviewers."
-    ),
-]
-IsolationOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--isolation",
-        help="Confine the tests: auto (bubblewrap if usable, else warn), required, none. "
-        "Overrides the task's [verifier] isolation.",
-    ),
-]
-RemoteOpt = Annotated[str | None, typer.Option("--remote", help="Shared git remote URL.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final line.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
@@ -174,6 +135,9 @@ def resume(
     """Continue a run that stopped anywhere: verify, reconcile, carry on exactly once."""
     opts = _options(workspace, key_file, worker_id, lease_seconds, takeover_after, quiet,
                     trust_roots, isolation, remote)  # fmt: skip
+    from gitrun.integrations import claude_code
+
+    claude_code.resume(run_id, opts, task)  # a Claude Code run: reconciled, then exit 8
     _finish(service.resume(run_id, opts, task))
 
 

@@ -148,3 +148,53 @@ def test_a_tool_calls_change_meets_the_exec_steps_output_checks(
     assert sorted(p.name for p in wt.iterdir()) == [".git", "a.txt"]
     call(ws, "toolu_next_call", lambda: (wt / "a.txt").write_text("next\n"))  # not wedged
     assert git(repo, "show", "gitrun/c1:a.txt") == "next\n"
+
+
+def test_resume_of_a_claude_run_records_what_a_session_left_and_points_to_gitrun_claude(
+    run: tuple[Path, Path, Path],
+) -> None:
+    ws, repo, wt = run
+    (wt / "left.txt").write_text("a killed session's change\n")
+    resumed = gitrun(ws, "resume", "c1")
+    assert resumed.returncode == 8, resumed.stderr  # the agent is gone: start it again
+    said = resumed.stderr.decode().strip().splitlines()[-1]
+    assert said.startswith("gitrun: run c1 is a Claude Code run (running; recorded what")
+    assert "gitrun claude --run-id c1 -- --continue" in said
+    assert subjects(repo) == ["gitrun:", "outside", "left.txt"]  # recorded once
+    again = gitrun(ws, "resume", "c1")
+    assert again.returncode == 8
+    assert b"nothing left unrecorded" in again.stderr
+    assert subjects(repo) == ["gitrun:", "outside", "left.txt"]
+
+
+def test_gitrun_claude_with_another_task_for_an_existing_run_is_refused_and_changes_nothing(
+    run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    ws, repo, _ = run
+    other = tmp_path / "other-task"
+    other.mkdir()
+    text = (ws / "claude" / "default-task" / "task.toml").read_text()
+    (other / "task.toml").write_text(text.replace('id = "claude-code"', 'id = "other"'))
+    settings = (ws / "claude" / "c1.settings.json").read_bytes()
+    refused = gitrun(ws, "claude", "--run-id", "c1", "--task", str(other), "--no-launch")
+    assert refused.returncode == 2
+    line = refused.stderr.decode()
+    assert line.count("\n") == 1
+    assert line.startswith("gitrun: run c1 already exists with other inputs: task dir ")
+    elsewhere = gitrun(ws, "claude", "--run-id", "c1", "--repo", str(tmp_path), "--no-launch")
+    assert elsewhere.returncode == 2
+    assert b"repo " in elsewhere.stderr
+    assert (ws / "claude" / "c1.settings.json").read_bytes() == settings
+    same = gitrun(ws, "claude", "--run-id", "c1", "--repo", str(repo), "--no-launch")
+    assert same.returncode == 0, same.stderr  # its own inputs: it continues
+    assert subjects(repo) == []
+
+
+def test_rm_refuses_a_takeover_time_that_is_not_a_number_of_seconds(
+    run: tuple[Path, Path, Path],
+) -> None:
+    ws, repo, _ = run
+    refused = gitrun(ws, "rm", "c1", "--takeover-after", "inf")
+    assert refused.returncode == 2
+    assert b"inf is not a finite number of seconds" in refused.stderr
+    assert git(repo, "rev-parse", "--verify", "-q", "gitrun/c1").strip()

@@ -12,23 +12,9 @@ from typing import Annotated
 import typer
 
 from gitrun.app.opening import Options, cli_options
+from gitrun.cli_options import KeyFileOpt, TakeoverOpt, WorkspaceOpt
 
 EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}  # after --: claude's
-
-Workspace = Annotated[
-    Path | None,
-    typer.Option(
-        "--workspace", envvar="GITRUN_HOME", help="State directory (default: the user's data dir)."
-    ),
-]
-KeyFile = Annotated[
-    Path | None,
-    typer.Option("--key-file", envvar="GITRUN_KEY_FILE", help="Checkpoint HMAC keyring."),
-]
-Takeover = Annotated[
-    float | None,
-    typer.Option("--takeover-after", min=0.0, help="Take a lease not renewed for SECONDS."),
-]
 
 
 def _say(line: str) -> None:
@@ -60,8 +46,8 @@ def claude(
     no_launch: Annotated[
         bool, typer.Option("--no-launch", help="Set the run up and print how to start Claude.")
     ] = False,
-    workspace: Workspace = None,
-    key_file: KeyFile = None,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
 ) -> None:
     """Start Claude Code on a run: its own worktree, every tool call one receipt commit."""
     from gitrun.integrations import claude_code
@@ -76,9 +62,9 @@ def rm(
     force: Annotated[
         bool, typer.Option("--force", help="Remove even a worktree holding unrecorded changes.")
     ] = False,
-    workspace: Workspace = None,
-    key_file: KeyFile = None,
-    takeover_after: Takeover = None,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+    takeover_after: TakeoverOpt = None,
 ) -> None:
     """Remove a run: worktree, branch, refs and records; git gc then frees its objects."""
     from gitrun.app import removing

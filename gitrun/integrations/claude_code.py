@@ -144,6 +144,7 @@ def start(
 
     ws = opts.workspace
     if run_id is not None and ws.exists(run_id):
+        refuse_other_inputs(run_id, opts, task_dir, repo_path)
         with tool_steps.opened_run(run_id, opts) as run:
             run.sweep()
             state = run.state
@@ -160,6 +161,61 @@ def start(
     text = json.dumps(settings(rid, opts, finish=finish), indent=2) + "\n"
     atomicfile.atomic_write(path, text.encode(), mode=0o600)
     return Started(rid, Path(state.env.worktree), path, state)
+
+
+def refuse_other_inputs(
+    run_id: str, opts: Options, task_dir: Path | None, repo_path: Path | None
+) -> None:
+    """``gitrun claude --run-id RUN`` of an existing run with a ``--task`` or ``--repo``
+    other than the run's: refused by name (BadInput), never silently ignored."""
+    from gitrun.app.opening import base_parts
+    from gitrun.app.starting import differences
+    from gitrun.core.task import load_task
+    from gitrun.engine.agents import load_agent
+
+    if task_dir is None and repo_path is None:
+        return  # the run's own inputs
+    record = opts.workspace.load(run_id)
+    task = load_task(task_dir if task_dir is not None else Path(record.task_dir))
+    agent, spec = load_agent("claude", task)
+    repo = repo_path if repo_path is not None else Path(record.repo)  # not given: the run's
+    differs = differences(record, task, agent, spec, repo, opts.workspace,
+                          lambda repo, base: base_parts(task, repo, base))  # fmt: skip
+    if differs:
+        raise BadInput(
+            f"run {run_id} already exists with other inputs: {'; '.join(differs)}; continue "
+            f"it with `gitrun claude --run-id {run_id}` (no --task/--repo) or pick another --run-id"
+        )
+
+
+def resume(run_id: str, opts: Options, task_dir: Path | None) -> None:
+    """``gitrun resume RUN`` of a Claude Code run that has not ended: what a killed session
+    left is recorded (once, as its next hook would), then AgentGone says how to go on —
+    gitrun cannot start Claude Code itself here (the session's arguments are the user's).
+    A run another agent drives, or one that ended, returns: ``service.resume`` has it."""
+    from gitrun.app.workspace import check_run_id
+    from gitrun.core.errors import AgentGone
+
+    if not opts.workspace.exists(check_run_id(run_id)):
+        return
+    if opts.workspace.load(run_id).agent != "claude":
+        return
+    refuse_other_inputs(run_id, opts, task_dir, None)
+    with tool_steps.opened_run(run_id, opts) as run:
+        if not run.running():
+            return
+        swept = run.sweep()
+        phase = run.state.phase
+    left = (
+        f"recorded what its last session left ({swept.commit[:12]})"
+        if swept
+        else "nothing left unrecorded"
+    )
+    raise AgentGone(
+        f"run {run_id} is a Claude Code run ({phase}; {left}); gitrun does not start Claude "
+        f"Code on resume: go on with `gitrun claude --run-id {run_id} -- --continue` "
+        "(or `-- --resume SESSION_ID`)"
+    )
 
 
 def claude_env(opts: Options) -> dict[str, str]:
