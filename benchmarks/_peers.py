@@ -78,7 +78,7 @@ def _last_events(rt: Runtime) -> tuple[Event, ...]:
     """The trace events the last checkpoint carried (an intent event): realistic size."""
     if rt.checkpoint is None:
         raise RuntimeError("the bench run has no checkpoint")
-    stored = rt.store.read(rt.ref, rt.checkpoint)
+    stored = rt.store.load(rt.ref, scenario_parts=None, offered=rt.checkpoint)
     return stored.state.events
 
 

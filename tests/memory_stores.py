@@ -157,6 +157,14 @@ class MemoryCheckpointLog:
             _check_scenario(stored.state, scenario_parts)
         return stored
 
+    def chain(self, ref: str, limit: int | None = None) -> list[MemoryStored]:
+        out: list[MemoryStored] = []
+        oid = self.head(ref)
+        while oid and (limit is None or len(out) < limit):
+            out.append(self.read(ref, oid))
+            oid = self.backend.checkpoints[oid].parent
+        return out
+
     def read(self, ref: str, oid: str) -> MemoryStored:
         """Verify one stored checkpoint's MAC and decode it strictly."""
         obj = self.backend.checkpoints.get(oid)

@@ -59,11 +59,9 @@ KNOWN_PYGIT2_ABOVE: frozenset[str] = frozenset(
         "gitrun.app.workspace",
         "gitrun.engine.approvals",
         "gitrun.engine.recovery",
-        "gitrun.engine.runtime",
         "gitrun.engine.session",
         "gitrun.engine.session_read",
         "gitrun.engine.session_rewind",
-        "gitrun.engine.verifier",
     }
 )
 

@@ -32,7 +32,7 @@ class UnsafeTree(GitrunError):
     """The tree holds an entry git itself would refuse to check out."""
 
 
-def materialise(repo: pygit2.Repository, tree_id: pygit2.Oid, dest: Path) -> str:
+def materialise(repo: pygit2.Repository, tree_id: pygit2.Oid | str, dest: Path) -> str:
     """Write the tree ``tree_id`` into the new directory ``dest``; return its oid."""
     tree = repo.get(tree_id)
     if not isinstance(tree, pygit2.Tree):

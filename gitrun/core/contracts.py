@@ -23,6 +23,7 @@ uses ``pygit2.Oid`` for checkpoint heads; the receipt log speaks hex commit ids)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -81,6 +82,12 @@ class CheckpointLog(Protocol[Id]):
         self, ref: str, *, scenario_parts: dict[str, str] | None, offered: Id | None = None
     ) -> LoadedCheckpoint[Id]:
         """Verify and decode the checkpoint at the head of ``ref`` (strict; see above)."""
+        ...
+
+    def chain(self, ref: str, limit: int | None = None) -> Sequence[LoadedCheckpoint[Id]]:
+        """Every checkpoint of ``ref`` (at most ``limit``), newest first, each verified as
+        :meth:`load` verifies the head (CheckpointRejected on the first that fails); empty
+        when ``ref`` has none. It walks the history: for audit and rewind, not per step."""
         ...
 
 

@@ -97,8 +97,11 @@ def land(rt: Runtime) -> None:
     prepared = rt.rider.take()
     if prepared is None:
         return
+    store = rt.store
+    if not isinstance(store, CheckpointStore):  # an intent rides only on the git store
+        raise GitrunError(f"an intent rides only on the git checkpoint store, not {store!r}")
     try:
-        rt.store.land(prepared, rt.lease.fence)
+        store.land(prepared, rt.lease.fence)
     finally:
         rt.rider.say_held(durable=prepared.lead.moved)
     rt.checkpoint = prepared.lead.move.new

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import pygit2
-
 from gitrun.adapter import sandbox
 from gitrun.adapter.environment import Approval, Environment, Observation
 from gitrun.adapter.exec_step import ExecContext, ExecRefused, ToolContext
@@ -26,6 +24,7 @@ from gitrun.adapter.sandbox import CommandCannotStart, Confinement
 from gitrun.adapter.shell import Hidden
 from gitrun.core import faults
 from gitrun.core import machine as m
+from gitrun.core.contracts import CheckpointLog, LeaseStore
 from gitrun.core.errors import EnvironmentDrift, Frozen, GateRejected, GitrunError, ReceiptConflict
 from gitrun.core.records import (
     AWAITING_APPROVAL,
@@ -45,23 +44,25 @@ from gitrun.engine import crashes, riding
 from gitrun.engine.agents import Finish, ScriptAgent
 from gitrun.engine.approvals import Approvals, clear_inbox
 from gitrun.engine.verifier import Secrets, VerifierResult, verify_tree
-from gitrun.store import gitstore
+from gitrun.store import gitstore, trees
 from gitrun.store.checkpoint import CheckpointStore
-from gitrun.store.lease import LeaseManager
 
 Say = Callable[[str], None]
 
 
 @dataclass
 class Runtime:
+    """One run's loop over its stores, typed on their contracts (:mod:`gitrun.core.contracts`):
+    the git stores, the remote ones or the tests' memory ones drive the same loop."""
+
     task: Task
     env: Environment
-    store: CheckpointStore
+    store: CheckpointLog[Any]  # the checkpoint id's type is the store's own (git: an Oid)
     ref: str
-    lease: LeaseManager
+    lease: LeaseStore
     agent: ScriptAgent
     state: RunState
-    checkpoint: pygit2.Oid | None
+    checkpoint: Any  # the store's id of the checkpoint at the head; None before the first
     say: Say
     approvals: Approvals
     isolation: str | None = None  # the command line's --isolation; None: the task's
@@ -126,8 +127,9 @@ class Runtime:
             lease_version=fence.version,
             now=now,
         )
-        if self.rider.proposing and riding.may_ride(self, nxt):
-            self.rider.start(self.store.prepare(self.ref, nxt, self.checkpoint, riding.AFTER))
+        git = self.store if isinstance(self.store, CheckpointStore) else None  # only it rides
+        if self.rider.proposing and git is not None and riding.may_ride(self, nxt):
+            self.rider.start(git.prepare(self.ref, nxt, self.checkpoint, riding.AFTER))
         else:
             self.checkpoint = self.store.advance(self.ref, nxt, self.checkpoint, fence)
         self._segment_start = now
@@ -222,8 +224,8 @@ class Runtime:
             self.land()
             self.accept(found, replayed=True)
             return
-        tree = self.env.repo.get(p.precondition.tree)
-        if not isinstance(tree, pygit2.Tree):
+        tree = trees.tree_at(self.env.repo, p.precondition.tree)
+        if tree is None:
             raise EnvironmentDrift(
                 "tree-missing", f"the intent's tree {p.precondition.tree} is gone"
             )
@@ -342,7 +344,7 @@ class Runtime:
         return verify_tree(
             self.task.verifier,
             self.env.repo,
-            pygit2.Oid(hex=tree),
+            tree,
             confinement=confinement,
             secrets=self._secrets(),
             heartbeat=lambda: self.lease.maybe_renew(self.state.generation),
@@ -421,8 +423,8 @@ def begin(
     *,
     task: Task,
     env: Environment,
-    store: CheckpointStore,
-    lease: LeaseManager,
+    store: CheckpointLog[Any],
+    lease: LeaseStore,
     agent: ScriptAgent,
     worker: str,
     base_commit: str,

@@ -376,7 +376,7 @@ class Session:
             result, made = verify_tree(
                 rt.task.verifier,
                 rt.env.repo,
-                pygit2.Oid(hex=rt.state.env.tree),
+                rt.state.env.tree,
                 confinement=confinement,
                 secrets=rt._secrets(),
                 heartbeat=lambda: rt.lease.maybe_renew(rt.state.generation),

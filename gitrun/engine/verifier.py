@@ -37,9 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import pygit2
-
 from gitrun.adapter import sandbox
+from gitrun.adapter.gittypes import Repository
 from gitrun.adapter.materialise import materialise, scratch
 from gitrun.adapter.sandbox import (
     UNCONFINED,
@@ -120,8 +119,8 @@ class Secrets:
 
 def verify_tree(
     spec: VerifierSpec,
-    repo: pygit2.Repository,
-    tree_id: pygit2.Oid,
+    repo: Repository,
+    tree_id: str,
     *,
     confinement: Confinement,
     secrets: Secrets,

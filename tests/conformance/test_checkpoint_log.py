@@ -129,3 +129,25 @@ def test_load_refuses_a_missing_head_an_old_checkpoint_and_another_scenario(
     with pytest.raises(CheckpointRejected) as caught:
         log.load(REF, scenario_parts={**PARTS, "policy": "sha256:other"})
     assert caught.value.reason == "scenario-changed"
+
+
+def test_the_chain_lists_every_checkpoint_newest_first_each_verified(stores: Stores) -> None:
+    log = stores.checkpoints()
+    fence = _fence(stores)
+    assert list(log.chain(REF)) == []
+    heads = [log.advance(REF, sample_state(1), None, fence)]
+    for generation in (2, 3):
+        heads.append(log.advance(REF, sample_state(generation, cursor=0), heads[-1], fence))
+    chain = stores.checkpoints().chain(REF)
+    assert [(c.oid, c.state.generation) for c in chain] == [
+        (heads[2], 3),
+        (heads[1], 2),
+        (heads[0], 1),
+    ]
+    assert [c.state.generation for c in log.chain(REF, limit=2)] == [3, 2]
+    stores.tamper_checkpoint(REF)
+    with pytest.raises(CheckpointRejected) as refused:
+        stores.checkpoints().chain(REF)
+    assert refused.value.reason == "bad-signature"
+    with pytest.raises(CheckpointRejected):
+        stores.checkpoints(other_keyring=True).chain(REF, limit=1)
