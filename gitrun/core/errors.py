@@ -272,3 +272,7 @@ class RemoteUnavailable(GitrunError, ConnectionError):
 
 class KeyFileError(BadInput):
     """A key file is missing, unreadable, has unsafe permissions, or is malformed."""
+
+
+class UnknownBatch(BadInput, LookupError):
+    """The shared remote has no such batch (or one without the inputs a worker needs)."""
