@@ -211,6 +211,7 @@ class MemoryLeaseStore:
         self.worker = worker
         self.duration = duration
         self.lease: Lease | None = None
+        self.taken_over: Lease | None = None  # the memory store models no live other worker
         self._serial: int | None = None
         self._claimed = False
 

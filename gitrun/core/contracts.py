@@ -105,7 +105,12 @@ class LeaseStore(Protocol):
     - :meth:`release` expires the lease now and keeps its version, so the next owner's
       version is higher and every fence of this one is refused from then on.
     - :attr:`fence` is what writers present; LeaseLost when the handle holds no lease.
+    - :attr:`taken_over` is the lease :meth:`acquire` took from another worker still at
+      work on the run (not a resume after that worker's crash); the run records it once
+      and sets it back to None.
     """
+
+    taken_over: Lease | None
 
     @property
     def run_id(self) -> str: ...
