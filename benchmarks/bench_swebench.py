@@ -5,7 +5,12 @@ copied under several instance ids, so N instances are N gitrun runs. The bare wo
 what an instance minimally needs: ``git worktree add`` at the base, ``git apply`` of the
 prediction and the test patch, and the same test command (same venv, the same test
 directives, ``-rA`` and JUnit option).
-Environments are built before timing (a warm cache), for both.
+Environments are built before timing (a warm cache), for both, and the benchmark fails if
+any environment is built again during the timed runs (cached by spec digest).
+
+Per instance, median and p95 of wall and CPU (this process's children, with every process
+they waited for): gitrun as one CLI call per instance (``--instance-ids ID``, so its CLI
+start is counted), the bare work the same way; the overhead is the difference.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -28,26 +34,47 @@ sys.path.insert(0, str(ROOT / "tests"))
 from swebench_data import BUNDLE, TEST_CMD, copied_dataset, make_repos  # noqa: E402
 
 
-def _gitrun(tmp: Path, dataset: Path, run_id: str, workers: int, env: dict[str, str]) -> float:
+def _children_cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def _gitrun(
+    tmp: Path, dataset: Path, run_id: str, workers: int, env: dict[str, str], *ids: str
+) -> tuple[float, float]:
+    """Wall and CPU seconds of one ``gitrun swebench`` call (``ids``: only those)."""
     argv = [sys.executable, "-m", "gitrun", "swebench", "--dataset", str(dataset),
             "--predictions", "gold", "--repos", str(tmp / "repos"), "--run-id", run_id,
             "--max-workers", str(workers), "--report-dir", str(tmp / "out"), "--json",
             "--workspace", str(tmp / f"ws-{run_id}")]  # fmt: skip
-    start = time.perf_counter()
+    argv += ["--instance-ids", *ids] if ids else []
+    cpu, start = _children_cpu(), time.perf_counter()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    took = time.perf_counter() - start
+    took, used = time.perf_counter() - start, _children_cpu() - cpu
     if done.returncode != 0 or json.loads(done.stdout)["resolved_instances"] == 0:
         raise SystemExit(f"gitrun swebench failed: {done.stderr[-500:]}")
-    return took
+    return took, used
 
 
-def _bare(tmp: Path, dataset: Path, env: dict[str, str], env_bin: dict[str, str]) -> list[float]:
-    times = []
+def _q(samples: list[float]) -> tuple[float, float]:
+    """Median and p95 (inclusive quantiles)."""
+    return statistics.median(samples), statistics.quantiles(samples, n=20, method="inclusive")[-1]
+
+
+def _built(envs: Path) -> dict[str, tuple[int, int]]:
+    return {str(m): (m.stat().st_ino, m.stat().st_mtime_ns) for m in envs.glob("*/gitrun-env.json")}
+
+
+def _bare(
+    tmp: Path, dataset: Path, env: dict[str, str], env_bin: dict[str, str]
+) -> tuple[list[float], list[float]]:
+    """Each instance's bare work: wall and CPU seconds."""
+    walls, cpus = [], []
     for n, line in enumerate(dataset.read_text().splitlines()):
         rec = json.loads(line)
         repo = tmp / "repos" / rec["repo"].replace("/", "__")
         wt = tmp / f"bare-{n}"
-        start = time.perf_counter()
+        cpu, start = _children_cpu(), time.perf_counter()
         subprocess.run(["git", "-C", str(repo), "worktree", "add", "-q", "--detach", str(wt),
                         rec["base_commit"]], check=True, env=env)  # fmt: skip
         for patch in (rec["patch"], rec["test_patch"]):
@@ -57,8 +84,9 @@ def _bare(tmp: Path, dataset: Path, env: dict[str, str], env_bin: dict[str, str]
         script = f'export PATH={env_bin[rec["repo"]]}:"$PATH"\n{TEST_CMD} {tests} -rA "$@"'
         argv = ["bash", "-c", script, "x", f"--junitxml={tmp}/j{n}.xml", "-p", "no:cacheprovider"]
         subprocess.run(argv, cwd=wt, env=env, capture_output=True, check=False)
-        times.append(time.perf_counter() - start)
-    return times
+        walls.append(time.perf_counter() - start)
+        cpus.append(_children_cpu() - cpu)
+    return walls, cpus
 
 
 def main() -> None:
@@ -83,21 +111,36 @@ def main() -> None:
         for marker in envs.glob("*/gitrun-env.json"):
             spec = json.loads(marker.read_text())
             bins[spec["env"].split("@")[0]] = str(marker.parent / "bin")
-        one = _gitrun(tmp, dataset, "w1", 1, env)
-        two = _gitrun(tmp, dataset, "w2", 2, env)
-        bare = _bare(tmp, dataset, env, bins)
-        med = statistics.median(bare)
+        warm = _built(envs)
+        one, _ = _gitrun(tmp, dataset, "w1", 1, env)
+        two, _ = _gitrun(tmp, dataset, "w2", 2, env)
+        ids = [json.loads(x)["instance_id"] for x in dataset.read_text().splitlines()]
+        each = [_gitrun(tmp, dataset, f"i{n}", 1, env, iid) for n, iid in enumerate(ids)]
+        bare_wall, bare_cpu = _bare(tmp, dataset, env, bins)
+        if _built(envs) != warm:
+            raise SystemExit("an environment was built again on a warm cache")
+        g_wall, g_cpu = [w for w, _ in each], [c for _, c in each]
+        rows = {
+            "gitrun (one CLI call per instance)": (g_wall, g_cpu),
+            "bare: worktree + 2 x git apply + same test command": (bare_wall, bare_cpu),
+        }
         print("<!-- bench:swebench:begin -->")
         print(f"| gitrun swebench, {count} instances | wall s | instances/s |")
         print("|---|---:|---:|")
         print(f"| 1 worker | {one:.2f} | {count / one:.2f} |")
         print(f"| 2 workers | {two:.2f} | {count / two:.2f} |")
         print(f"\n2 workers / 1 worker throughput: **{one / two:.2f}x** (same run, 2 cores)\n")
-        print("| per instance | s |")
-        print("|---|---:|")
-        print(f"| gitrun, 1 worker (wall / N, incl. CLI start) | {one / count:.3f} |")
-        print(f"| bare: worktree + 2 x git apply + same test command (median) | {med:.3f} |")
-        print(f"| gitrun overhead per instance | {one / count - med:.3f} |")
+        print("| per instance, s | wall median | wall p95 | CPU median | CPU p95 |")
+        print("|---|---:|---:|---:|---:|")
+        for label, (walls, cpus) in rows.items():
+            cells = " | ".join(f"{v:.3f}" for v in (*_q(walls), *_q(cpus)))
+            print(f"| {label} | {cells} |")
+        (gw, gw95), (bw, bw95) = _q(g_wall), _q(bare_wall)
+        (gc, gc95), (bc, bc95) = _q(g_cpu), _q(bare_cpu)
+        print(f"| **gitrun overhead per instance** | {gw - bw:.3f} | {gw95 - bw95:.3f} | "
+              f"{gc - bc:.3f} | {gc95 - bc95:.3f} |")  # fmt: skip
+        print(f"\n1 worker batch, wall / N (incl. one CLI start): {one / count:.3f} s")
+        print("environments built again during the timed runs: 0 (warm cache)")
         print("<!-- bench:swebench:end -->")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -305,8 +305,21 @@ def test_tests_run_in_the_instances_own_venv_built_once_per_spec(
     assert report["resolved_ids"] == IDS  # only when the venv's python ran the tests
     markers = sorted(envs.glob("*/gitrun-env.json"))
     assert len(markers) == 2  # one per (repo, version); the same spec reuses its venv
-    batch(gitrun, world, "gold", run_id="r2")
-    assert sorted(envs.glob("*/gitrun-env.json")) == markers
+
+    def built() -> dict[Path, tuple[int, int, int]]:
+        """Each environment's marker (inode, mtime) and how much its build log holds."""
+        return {
+            m.parent: (
+                m.stat().st_ino,
+                m.stat().st_mtime_ns,
+                (m.parent / "build.log").stat().st_size,
+            )
+            for m in envs.glob("*/gitrun-env.json")
+        }
+
+    before = built()
+    assert batch(gitrun, world, "gold", run_id="r2")["resolved_ids"] == IDS
+    assert built() == before  # a warm cache: no step of any build ran again
 
 
 def test_two_batch_commands_on_one_run_id_share_the_work_and_write_once(

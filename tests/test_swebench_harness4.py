@@ -29,8 +29,10 @@ from typing import Any
 
 import pytest
 from filelock import FileLock
-from helpers import Gitrun
+from helpers import Gitrun, git
 from swebench_data import BUNDLE, OWNER
+
+from gitrun.app.swebench_env import EnvironmentFailed, find_python
 
 SWEBENCH_4 = "4.1.0"
 MEDIAN = f"{OWNER}__fix-median-1"
@@ -200,3 +202,65 @@ def test_without_a_spec_map_in_the_installed_package_a_lite_row_is_refused_by_na
     assert "gitrun-swebench.json" in res.err
     assert "spec map" in res.err
     assert not (world / "out").exists()
+
+
+HUMANEVAL = "swe-bench/humaneval"  # a repository 4.1.0 itself knows: python 3.9, `python`
+
+
+def _humaneval_row(repos: Path) -> dict[str, Any]:
+    """A SWE-bench HumanEval-shaped instance (the harness's own repository name and
+    version, a local repository): main.py with a bug, the test patch adding test.py."""
+    work = repos / HUMANEVAL.replace("/", "__")
+    work.mkdir(parents=True)
+    (work / "main.py").write_text("def add(a, b):\n    return a - b\n")
+    git(work, "init", "-q", "-b", "main")
+    git(work, "add", "-A")
+    git(work, "commit", "-q", "-m", "base")
+    (work / "main.py").write_text("def add(a, b):\n    return a + b\n")
+    patch = git(work, "diff")
+    git(work, "checkout", "-q", "--", ".")
+    (work / "test.py").write_text(  # passes only on the spec's interpreter
+        "import sys\n\nfrom main import add\n\nassert sys.version_info[:2] == (3, 9)\n"
+        "assert add(2, 3) == 5\n"
+    )
+    git(work, "add", "test.py")
+    test_patch = git(work, "diff", "--cached")
+    git(work, "rm", "-q", "--cached", "test.py")
+    (work / "test.py").unlink()
+    base = git(work, "rev-parse", "HEAD").strip()
+    return {
+        "repo": HUMANEVAL, "instance_id": "swe-bench__humaneval-0", "base_commit": base,
+        "patch": patch, "test_patch": test_patch, "problem_statement": "add adds",
+        "hints_text": "", "created_at": "2024-01-01T00:00:00Z", "version": "1.0",
+        "FAIL_TO_PASS": json.dumps(["test.py"]), "PASS_TO_PASS": "[]",
+        "environment_setup_commit": base,
+    }  # fmt: skip
+
+
+def test_a_real_swebench_4_spec_runs_on_the_interpreter_it_names_or_is_an_infra_error(
+    gitrun: Gitrun, world: Path, swebench4: Path
+) -> None:
+    """The package's own HumanEval entry (python 3.9, test command ``python`` and the
+    directive ``test.py`` its get_test_directives fixes for that repository), unchanged:
+    run on a python 3.9 found on the machine; without one, an environment error naming it."""
+    row = _humaneval_row(world / "repos")
+    (world / "he.jsonl").write_text(json.dumps(row) + "\n")
+    res = gitrun.run((
+        "swebench", "--dataset", str(world / "he.jsonl"), "--predictions", "gold",
+        "--repos", str(world / "repos"), "--run-id", "he", "--report-dir", str(world / "out"),
+        "--json",
+    ), {"PYTHONPATH": str(swebench4)}, timeout=BATCH_SECONDS)  # fmt: skip
+    report = json.loads(res.out)
+    where = world / "out" / "logs" / "run_evaluation" / "he" / "gold" / row["instance_id"]
+    meta = json.loads((where / "gitrun.json").read_text())
+    try:
+        find_python("3.9")
+    except EnvironmentFailed:
+        assert res.code == 1, res.err
+        assert report["error_ids"] == [row["instance_id"]]
+        assert "python 3.9 is not available" in meta["reason"]
+        return
+    assert res.code == 0, res.err
+    assert report["resolved_ids"] == [row["instance_id"]]
+    assert meta["test_command"] == "python test.py"
+    assert "command exited 0" in meta["summary"]  # no pytest: the coarse verdict

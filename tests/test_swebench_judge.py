@@ -17,10 +17,16 @@ from typing import Any
 
 import pytest
 from helpers import Gitrun
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from swebench import types as harness_types  # the test extra's judge: never skipped
+from swebench.harness.constants import EvalType
+from swebench.harness.grading import get_eval_tests_report, get_resolution_status
 from swebench.harness.reporting import make_run_report
 from swebench.harness.run_evaluation import run_instance
 from swebench_data import BUNDLE, OWNER
+
+from gitrun.core import swebench as core
 
 MEDIAN = f"{OWNER}__fix-median-1"
 SLUG = f"{OWNER}__slugify-unicode-1"
@@ -143,3 +149,39 @@ def test_a_refused_test_infrastructure_change_is_unresolved_for_the_harness_too(
     got = run_instance(_spec(rec), pred, None, "j", rewrite_reports=True)
     assert got is not None
     assert got[1][MEDIAN]["resolved"] is False
+
+
+# gitrun's outcome of a test -> the status the harness's pytest log parser gives it (a
+# test that did not run is absent from the harness's status map)
+_STATUS = {"passed": "PASSED", "failed": "FAILED", "error": "ERROR", "skipped": "SKIPPED"}
+_OUTCOMES = st.sampled_from([*_STATUS, "missing"])
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(
+    f2p=st.lists(_OUTCOMES, min_size=1, max_size=4),
+    p2p=st.lists(_OUTCOMES, max_size=4),
+    eval_type=st.sampled_from(["pass_and_fail", "fail_only"]),
+)
+@example(f2p=["missing"], p2p=["error"], eval_type="fail_only")
+@example(f2p=["skipped"], p2p=["skipped"], eval_type="pass_and_fail")
+def test_gitruns_grading_is_the_harness_grading_for_both_eval_types(
+    f2p: list[str], p2p: list[str], eval_type: str
+) -> None:
+    """For every mix of outcomes and both of 5.x's eval types, gitrun's tests_status and
+    resolved are what swebench 5.0.2's get_eval_tests_report and get_resolution_status
+    give; a run in which no test ran at all is unresolved, as the harness's grader,
+    finding no test in the log, leaves it."""
+    f2p_ids = [f"t.py::f{n}" for n in range(len(f2p))]
+    p2p_ids = [f"t.py::p{n}" for n in range(len(p2p))]
+    outcomes = dict(zip(f2p_ids + p2p_ids, f2p + p2p, strict=True))
+    row = {"repo": "o/r", "instance_id": "o__r-1", "base_commit": "0" * 40, "test_patch": "",
+           "FAIL_TO_PASS": f2p_ids, "PASS_TO_PASS": p2p_ids, "eval_type": eval_type}  # fmt: skip
+    inst = core.parse_instances(json.dumps([row]).encode())[0]
+    ours = core.instance_report(inst, "p", True, outcomes)["o__r-1"]
+    status_map = {t: _STATUS[o] for t, o in outcomes.items() if o in _STATUS}
+    gold = {"FAIL_TO_PASS": f2p_ids, "PASS_TO_PASS": p2p_ids}
+    theirs = get_eval_tests_report(status_map, gold, eval_type=EvalType(eval_type))
+    assert ours["tests_status"] == theirs
+    resolved = bool(status_map) and get_resolution_status(theirs) == "RESOLVED_FULL"
+    assert ours["resolved"] is resolved

@@ -283,10 +283,8 @@ def test_code_under_test_cannot_rewrite_the_verdict_after_pytest_reported_it(
     assert "runner_reset" not in meta
 
 
-def test_a_task_verifier_gets_the_channel_too_and_a_rewritten_report_fails_the_run(
-    gitrun: Gitrun, sandbox_copy: Any, tmp_path: Path
-) -> None:
-    task = sandbox_copy("fix-median")
+def _forging_patch(task: Path, tmp_path: Path) -> None:
+    """``tmp_path/cheat.diff``: a median that forges the verdict and leaves the bug."""
     work = tmp_path / "w"
     shutil.copytree(task / "repo", work)
     git(work, "init", "-q", "-b", "main")
@@ -294,6 +292,13 @@ def test_a_task_verifier_gets_the_channel_too_and_a_rewritten_report_fails_the_r
     git(work, "commit", "-q", "-m", "base")
     (work / "stats" / "median.py").write_text(median_with(""))
     (tmp_path / "cheat.diff").write_text(git(work, "diff"))
+
+
+def test_a_task_verifier_gets_the_channel_too_and_a_rewritten_report_fails_the_run(
+    gitrun: Gitrun, sandbox_copy: Any, tmp_path: Path
+) -> None:
+    task = sandbox_copy("fix-median")
+    _forging_patch(task, tmp_path)
 
     res = gitrun(
         "run", str(task), "--run-id", "forge", "--agent", f"patch:{tmp_path / 'cheat.diff'}"
@@ -404,13 +409,7 @@ def test_under_xdist_the_controller_streams_every_workers_outcomes(
     gold = gitrun("run", str(task), "--run-id", "gold", "--agent", f"patch:{FIX}")
     assert gold.code == 0, (gold.out, gold.err)
 
-    work = tmp_path / "w"
-    shutil.copytree(task / "repo", work)
-    git(work, "init", "-q", "-b", "main")
-    git(work, "add", "-A")
-    git(work, "commit", "-q", "-m", "base")
-    (work / "stats" / "median.py").write_text(median_with(""))
-    (tmp_path / "cheat.diff").write_text(git(work, "diff"))
+    _forging_patch(task, tmp_path)
     res = gitrun(
         "run", str(task), "--run-id", "forge", "--agent", f"patch:{tmp_path / 'cheat.diff'}"
     )

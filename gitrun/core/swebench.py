@@ -118,6 +118,7 @@ class Instance:
     record_digest: str  # over the whole record as given
     environment_setup_commit: str = ""  # where requirements.txt is read (else base_commit)
     eval_script: str = ""  # swebench 5.x rows: the harness's eval script (its test command)
+    eval_type: str = "pass_and_fail"  # swebench 5.x rows: how the harness grades them
 
     @property
     def env_key(self) -> str:
@@ -262,9 +263,21 @@ def parse_instances(data: bytes, what: str = "dataset") -> tuple[Instance, ...]:
                 str(rec.get("version", "")), _record_spec(rec, where),
                 rec.get("allow_test_infra") is True, digest(rec),
                 str(rec.get("environment_setup_commit") or ""), str(rec.get("eval_script") or ""),
+                _eval_type(rec, where),
             )
         )  # fmt: skip
     return tuple(out)
+
+
+# swebench 5.x's EvalType values (harness/constants): a row without one is pass_and_fail
+PASS_AND_FAIL, FAIL_ONLY = "pass_and_fail", "fail_only"
+
+
+def _eval_type(rec: Mapping[str, Any], where: str) -> str:
+    value = rec.get("eval_type") or PASS_AND_FAIL
+    if value not in (PASS_AND_FAIL, FAIL_ONLY):
+        raise BadInput(f"{where}: eval_type {value!r} is not {PASS_AND_FAIL!r} or {FAIL_ONLY!r}")
+    return str(value)
 
 
 def safe_component(value: str, what: str) -> str:
@@ -364,9 +377,11 @@ def instance_report(
     inst: Instance, patch: str | None, applied: bool, outcomes: Mapping[str, str] | None
 ) -> dict[str, Any]:
     """The harness's per-instance ``report.json`` body (swebench 5.x's shape: 4.x's fields
-    and ``infra_failure``). Graded as 5.x grades: a FAIL_TO_PASS test passes when it
-    passed (an xfail is a pass); a PASS_TO_PASS test is kept when it passed or was skipped;
-    a test absent from the run fails."""
+    and ``infra_failure``). Graded as 5.x grades (``get_eval_tests_report``): a
+    FAIL_TO_PASS test passes when it passed (an xfail is a pass); a PASS_TO_PASS test is
+    kept when it passed or was skipped; a test absent from the run fails. A ``fail_only``
+    row (``eval_type``) fails only a test that failed; with no required test run at all
+    it is not resolved (the harness's grader finds no sign the suite ran)."""
     body: dict[str, Any] = {
         "patch_is_None": patch is None,
         "patch_exists": patch is not None,
@@ -376,22 +391,29 @@ def instance_report(
     }
     if outcomes is None:
         return {inst.instance_id: body}
+    fail_only = inst.eval_type == FAIL_ONLY
     status: dict[str, dict[str, list[str]]] = {
-        "FAIL_TO_PASS": _split(inst.fail_to_pass, outcomes, ("passed",)),
-        "PASS_TO_PASS": _split(inst.pass_to_pass, outcomes, ("passed", "skipped")),
+        "FAIL_TO_PASS": _split(inst.fail_to_pass, outcomes, ("passed",), fail_only),
+        "PASS_TO_PASS": _split(inst.pass_to_pass, outcomes, ("passed", "skipped"), fail_only),
         "FAIL_TO_FAIL": {"success": [], "failure": []},
         "PASS_TO_FAIL": {"success": [], "failure": []},
     }
-    body["resolved"] = (
-        not status["FAIL_TO_PASS"]["failure"] and not status["PASS_TO_PASS"]["failure"]
+    ran = not fail_only or any(
+        outcomes.get(t) not in (None, "missing") for t in (*inst.fail_to_pass, *inst.pass_to_pass)
+    )
+    body["resolved"] = ran and not (
+        status["FAIL_TO_PASS"]["failure"] or status["PASS_TO_PASS"]["failure"]
     )
     body["tests_status"] = status
     return {inst.instance_id: body}
 
 
 def _split(
-    tests: Sequence[str], outcomes: Mapping[str, str], good: tuple[str, ...]
+    tests: Sequence[str], outcomes: Mapping[str, str], good: tuple[str, ...], fail_only: bool
 ) -> dict[str, list[str]]:
+    if fail_only:  # the harness's check_fail_only: only a test that failed is a failure
+        bad = [t for t in tests if outcomes.get(t) == "failed"]
+        return {"success": [t for t in tests if t not in bad], "failure": bad}
     return {
         "success": [t for t in tests if outcomes.get(t) in good],
         "failure": [t for t in tests if outcomes.get(t) not in good],
