@@ -19,7 +19,7 @@ from typer._click.exceptions import ClickException  # typer vendors click; not r
 
 from gitrun import cli_view
 from gitrun.app import service, swebench
-from gitrun.app.inputs import stdin_patch_spec
+from gitrun.app.inputs import refuse_stdin, stdin_agent_spec, stdin_trust_roots
 from gitrun.app.opening import cli_options
 from gitrun.app.reports import approval_text, review_text, ttl_seconds
 from gitrun.app.workspace import Workspace
@@ -72,8 +72,10 @@ def _options(workspace: Path | None, key_file: Path | None, worker: str | None =
              quiet: bool = False, trust_roots: Path | None = None, isolation: str | None = None,
              remote: str | None = None) -> service.Options:  # fmt: skip
     say = None if quiet else _say
-    return cli_options(workspace, key_file, worker, lease_seconds, takeover_after, say,
+    opts = cli_options(workspace, key_file, worker, lease_seconds, takeover_after, say,
                        trust_roots, isolation, remote)  # fmt: skip
+    opts.trust_roots = stdin_trust_roots(opts.trust_roots, opts.workspace.root)  # - : stdin
+    return opts
 
 
 def _finish(state: RunState) -> None:
@@ -90,7 +92,9 @@ def run(
     ] = None,
     agent: Annotated[
         str,
-        typer.Option("--agent", help="plan, plan:FILE, patch:FILE (- for stdin) or cmd:COMMAND."),
+        typer.Option(
+            "--agent", help="plan, plan:FILE, patch:FILE (FILE - : stdin) or cmd:COMMAND."
+        ),
     ] = "plan",
     run_id: Annotated[
         str | None,
@@ -112,7 +116,7 @@ def run(
     """Start a run of TASK_DIR and drive it to done, failed, or a freeze for a human."""
     opts = _options(workspace, key_file, worker_id, lease_seconds, None, quiet, trust_roots,
                     isolation, remote)  # fmt: skip
-    agent = stdin_patch_spec(agent, opts.workspace.root)  # patch:- reads standard input
+    agent = stdin_agent_spec(agent, opts.workspace.root)  # patch:- and plan:- read stdin
     _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=agent, run_id=run_id))
 
 
@@ -165,6 +169,7 @@ def session(
     spec = "mcp" if ctx.info_name == "mcp" else "session"
     if spec == "mcp" and importlib.util.find_spec("mcp") is None:
         raise BadInput("the MCP server needs the mcp extra: pip install 'gitrun[mcp]'")
+    refuse_stdin(trust_roots, "--trust-roots", f"standard input carries the {spec}'s requests")
     opts = _options(workspace, key_file, worker_id, lease_seconds, takeover_after, False,
                     trust_roots, isolation, remote)  # fmt: skip
     _finish(service.start(task_dir, opts, repo_path=repo, agent_spec=spec, run_id=run_id))
@@ -303,6 +308,7 @@ def keys_new(
     """Make an Ed25519 key pair: NAME.key (0600, keep it) and its public half in the trust roots."""
     from gitrun.store.evidence import new_keypair
 
+    refuse_stdin(trust_roots, "--trust-roots", "keys new adds the public key to this file")
     path, root = new_keypair(role, name, out_dir, trust_roots)
     typer.echo(f"{root.role} key {root.id} ({root.name}): private key {path} (mode 600)")
     if trust_roots is not None:

@@ -48,7 +48,9 @@ TakeoverOpt = Annotated[
 TrustOpt = Annotated[
     Path | None,
     typer.Option(
-        "--trust-roots", envvar="GITRUN_TRUST_ROOTS", help="Public keys of approvers/reviewers."
+        "--trust-roots",
+        envvar="GITRUN_TRUST_ROOTS",
+        help="Public keys of approvers/reviewers (- : stdin).",
     ),
 ]
 IsolationOpt = Annotated[

@@ -10,16 +10,15 @@ from pathlib import Path
 
 from conftest import SANDBOXES
 
+LONG_LINES = 120
 # Each would change the page if it ran or were parsed as markup.
 TITLE_SCRIPT = "<script>document.title='pwned'</script>"
 PLANTED_NAME = "appcfg/<img src=x onerror=\"document.title='pwned-img'\">.txt"
 PLANTED_TAG = '<b id="planted">bold</b>'
 EXEC_COMMAND = (
-    f'echo "{TITLE_SCRIPT}"; echo "<iframe id=evil></iframe>" >&2; '
+    f'echo "{TITLE_SCRIPT}"; echo "<iframe id=evil></iframe>" >&2; seq 1 {LONG_LINES} >&2; '
     "printf '%s\\n' '<style>body{display:none}</style>' > 'appcfg/<script>notes.txt'"
 )
-LONG_LINES = 120
-
 EXTRA_POLICY = """
 [policy.exec]
 allow = ["*"]

@@ -41,10 +41,17 @@ def _gitrun(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
 
 
 @pytest.fixture(scope="module")
-def batch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Batch]:
+def envs() -> Iterator[Path]:
+    """The environments both batches build (the same, cached by digest)."""
+    envs = Path(tempfile.mkdtemp(prefix="gitrun-batch-envs-", dir="/var/tmp"))
+    yield envs
+    shutil.rmtree(envs, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory: pytest.TempPathFactory, envs: Path) -> Iterator[Batch]:
     """A batch of the bundled instances: median's prediction is wrong, slugify's empty."""
     tmp = tmp_path_factory.mktemp("batch")
-    envs = Path(tempfile.mkdtemp(prefix="gitrun-batch-envs-", dir="/var/tmp"))
     with pytest.MonkeyPatch.context() as mp:
         scrub_env(mp, tmp / "home")
         env = {**os.environ, "GITRUN_HOME": str(tmp / "ws"), "GITRUN_SWEBENCH_ENVS": str(envs)}
@@ -62,7 +69,32 @@ def batch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Batch]:
                       "--run-id", BATCH, "--report-dir", str(tmp / "out"),
                       "--html", str(page))  # fmt: skip
         yield Batch(env, tmp, page, out)
-    shutil.rmtree(envs, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def error_batch(tmp_path_factory: pytest.TempPathFactory, envs: Path) -> Iterator[Batch]:
+    """median's prediction does not apply (an error), slugify's is the gold patch."""
+    tmp = tmp_path_factory.mktemp("errbatch")
+    with pytest.MonkeyPatch.context() as mp:
+        scrub_env(mp, tmp / "home")
+        env = {**os.environ, "GITRUN_HOME": str(tmp / "ws"), "GITRUN_SWEBENCH_ENVS": str(envs)}
+        make_repos(tmp / "repos")
+        shutil.copy(BUNDLE / "specs.json", tmp / "repos" / "gitrun-swebench.json")
+        gold = {json.loads(x)["instance_id"]: json.loads(x)["patch"]
+                for x in (BUNDLE / "instances.jsonl").read_text().splitlines()}  # fmt: skip
+        broken = "--- a/nowhere.py\n+++ b/nowhere.py\n@@ -1,1 +1,1 @@\n-<b>x</b>\n+y\n"
+        preds = [
+            {"instance_id": MEDIAN, "model_name_or_path": "m", "model_patch": broken},
+            {"instance_id": SLUG, "model_name_or_path": "m", "model_patch": gold[SLUG]},
+        ]
+        (tmp / "preds.json").write_text(json.dumps(preds))
+        out = _gitrun(env, "swebench", "--dataset", str(BUNDLE / "instances.jsonl"),
+                      "--predictions", str(tmp / "preds.json"), "--repos", str(tmp / "repos"),
+                      "--run-id", "b2", "--report-dir", str(tmp / "out"))  # fmt: skip
+        page = tmp / "b2.html"
+        rebuilt = _gitrun(env, "report", "--batch", str(tmp / "out"), "--html", str(page))
+        assert rebuilt.returncode == 0, rebuilt.stderr
+        yield Batch(env, tmp, page, out)
 
 
 def _row(doc: Node, iid: str) -> Node:
@@ -109,6 +141,26 @@ def test_report_batch_rebuilds_the_page_from_the_records(batch: Batch, tmp_path:
     assert res.returncode == 0, res.stderr
     assert res.stdout.endswith(f"page written to {page}\n")
     _check_page(parse(page.read_text()), page)
+
+
+def test_a_batch_with_an_error_and_a_resolved_instance_shows_both_with_the_reason(
+    error_batch: Batch,
+) -> None:
+    assert error_batch.out.returncode == 1, error_batch.out.stderr  # an error in the batch
+    doc = parse(error_batch.page.read_text())
+    counts = {
+        n.attrs["data-count"]: n.all_text() for n in doc.find(tag="span") if "data-count" in n.attrs
+    }
+    assert (counts["resolved"], counts["error"]) == ("resolved 1", "error 1")
+    median = _row(doc, MEDIAN)
+    assert median.find(cls="status")[0].all_text() == "error"
+    applied = median.find(tag="td")[3].all_text()
+    assert applied not in ("", "-", "strict"), applied  # why it was not applied
+    slug = _row(doc, SLUG)
+    assert slug.find(cls="status")[0].all_text() == "resolved"
+    assert slug.find(cls="failing")[0].find(tag="code") == []
+    links = {a.all_text() for a in slug.find(tag="a")}
+    assert {"run report", "report.json", "test_output.txt"} <= links
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, SANDBOXES, scrub_env
-from helpers import Gitrun
+from helpers import Gitrun, Keys
 from swebench_data import BUNDLE, make_repos
 
 import gitrun as package
@@ -66,6 +66,12 @@ def test_version_prints_the_packages_version(finished: dict[str, str], typer_pat
         ["checkpoints", "r1"],
         ["debug", "crash-points"],
         ["log", "--help"],
+        ["list"],
+        ["checkpoint", "verify", "r1"],
+        ["report", "r1", "--html", "-"],
+        ["keys", "export-allowed-signers", "-"],
+        ["run", "--help"],
+        ["swebench", "--help"],
     ],
 )
 @pytest.mark.parametrize("typer_path", [False, True], ids=["entry", "typer"])
@@ -132,6 +138,94 @@ def test_an_empty_patch_on_standard_input_is_one_line_and_exit_2(
     assert len(err.splitlines()) == 1
     assert words in err
     assert not (gitrun.home / "runs").exists() or not list((gitrun.home / "runs").iterdir())
+
+
+INLINE_PLAN = b"""schema = 1
+
+[[step]]
+kind = "write_file"
+path = "stats/median.py"
+content_file = "patches/x"
+"""
+
+
+def _piped(gitrun: Gitrun, stdin: bytes, *args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(gitrun.argv(*args), input=stdin, env=gitrun.env(), cwd=gitrun.home.parent,
+                          capture_output=True, timeout=180, check=False)  # fmt: skip
+
+
+def test_a_plan_on_standard_input_runs_and_resumes_from_the_kept_copy(gitrun: Gitrun) -> None:
+    fixed = (
+        (SANDBOXES / "fix-median" / "repo" / "stats" / "median.py")
+        .read_text()
+        .replace("\n    return data[mid]\n", "\n    return (data[mid - 1] + data[mid]) / 2\n")
+    )
+    plan = (
+        'schema = 1\n\n[[step]]\nkind = "write_file"\npath = "stats/median.py"\n'
+        f"content = {json.dumps(fixed)}\n"
+    ).encode()
+    proc = _piped(gitrun, plan, "run", str(SANDBOXES / "fix-median"), "--agent", "plan:-",
+                  "--run-id", "pl", "-q")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert b"run pl: done" in proc.stdout
+    record = json.loads((gitrun.home / "runs" / "pl.json").read_text())
+    kept = Path(record["agent"].removeprefix("plan:"))
+    assert kept.parent.parent == gitrun.home / "inputs"
+    assert kept.read_bytes() == plan
+    assert kept.stat().st_mode & 0o777 == 0o600
+    again = gitrun("resume", "pl", "-q")
+    assert again.code == 0, again.err
+
+
+def test_a_plan_on_standard_input_that_names_a_file_is_one_line_and_exit_2(gitrun: Gitrun) -> None:
+    proc = _piped(gitrun, INLINE_PLAN, "run", str(SANDBOXES / "fix-median"), "--agent", "plan:-")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2
+    assert len(err.splitlines()) == 1
+    assert "--agent plan:-: step[0] names content_file" in err
+    assert not (gitrun.home / "runs").exists() or not list((gitrun.home / "runs").iterdir())
+
+
+def test_trust_roots_on_standard_input_serve_run_approve_and_resume(
+    gitrun: Gitrun, keys: Keys
+) -> None:
+    roots = keys.roots.read_bytes()
+    task = str(SANDBOXES / "retire-legacy")
+    frozen = _piped(gitrun, roots, "run", task, "--run-id", "ap", "-q", "--trust-roots", "-")
+    assert frozen.returncode == 3, frozen.stderr
+    approved = _piped(gitrun, roots, "approve", "ap", "--key", str(keys["alice"]),
+                      "--trust-roots", "-")  # fmt: skip
+    assert approved.returncode == 0, approved.stderr
+    done = _piped(gitrun, roots, "resume", "ap", "-q", "--trust-roots", "-")
+    assert done.returncode == 0, done.stderr
+    assert b"run ap: done" in done.stdout
+    empty = _piped(gitrun, b"", "resume", "ap", "--trust-roots", "-")
+    assert empty.returncode == 2
+    assert "--trust-roots -: the trust roots on standard input are empty" in empty.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["run", str(SANDBOXES / "fix-median"), "--key-file", "-"], "--key-file -: the checkpoint"),
+        (["status", "r", "--key-file", "-"], "--key-file -: the checkpoint keyring"),
+        (["keys", "new", "bob", "--role", "approver", "--trust-roots", "-"], "keys new adds"),
+        (
+            ["session", str(SANDBOXES / "fix-median"), "--trust-roots", "-"],
+            "the session's requests",
+        ),
+    ],
+)
+def test_a_dash_for_a_file_gitrun_writes_or_while_stdin_is_taken_is_refused_by_name(
+    gitrun: Gitrun, args: list[str], words: str
+) -> None:
+    proc = _piped(gitrun, b"{}", *args)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert err.startswith("gitrun: ")
+    assert len(err.splitlines()) == 1
+    assert words in err
+    assert not (gitrun.home.parent / "-").exists()  # no file named "-" made
 
 
 @pytest.fixture

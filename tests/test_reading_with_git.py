@@ -17,6 +17,7 @@ DOC = ROOT / "docs" / "reading-with-git.md"
 RUNS = {"fix-1": "fix-median", "ren-1": "rename-api"}
 # What each command must print, matched against the command's text (the first key found).
 EXPECT = {
+    "key=Gitrun-Tool": "Gitrun-Idempotency-Key: k-",  # a tool step's adds Gitrun-Tool
     "%(trailers)": "Gitrun-Idempotency-Key: k-",
     "Gitrun-Idempotency-Key,valueonly": "k-",
     "interpret-trailers": "Gitrun-Intent-Digest: sha256:",
@@ -44,6 +45,13 @@ def readme_git_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text.split("## Reading receipts with plain git", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"^```sh\n(.*?)^```", section, re.M | re.S)
+    return [line for b in blocks for line in b.splitlines() if line.startswith("git ")]
+
+
+def readme_every_git_command() -> list[str]:
+    """Every ``git`` line of every code block in the README, whatever its section."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S)
     return [line for b in blocks for line in b.splitlines() if line.startswith("git ")]
 
 
@@ -105,6 +113,27 @@ def test_each_git_command_in_the_doc_works_as_printed(
     assert shown.strip() or ":std" in command, f"{command} printed nothing"
     expected = next(v for k, v in EXPECT.items() if k in command)
     assert expected in shown, f"{command}\n{shown}"
+
+
+def test_the_readme_shows_git_commands_for_receipts_and_checkpoints() -> None:
+    shown = readme_every_git_command()
+    for needle in ("%(trailers)", "--glob=", "verify-commit", "for-each-ref"):
+        assert any(needle in c for c in shown), needle
+
+
+@pytest.mark.parametrize("command", readme_every_git_command())
+def test_each_git_command_in_the_readme_works_as_printed(
+    runs: tuple[dict[str, str], Path], command: str
+) -> None:
+    """As printed, a placeholder (``<run>``) filled in with a real run's id."""
+    env, repos = runs
+    filled = command.replace("<run>", "fix-1").replace("<run_id>", "fix-1")
+    run_id = next((r for r in RUNS if r in filled), "fix-1")
+    proc = subprocess.run(["bash", "-c", filled], cwd=repos / RUNS[run_id], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert proc.returncode == 0, f"{filled}\n{proc.stderr}"
+    expected = next(v for k, v in EXPECT.items() if k in filled)
+    assert expected in proc.stdout + proc.stderr, f"{filled}\n{proc.stdout}{proc.stderr}"
 
 
 def test_a_bare_star_in_a_ref_name_prints_nothing_which_is_why_the_doc_uses_glob(

@@ -140,6 +140,11 @@ def test_a_large_diff_is_collapsed_and_kept_whole(world: World) -> None:
     assert all(f"+line {i} {PLANTED_TAG}" in text for i in range(LONG_LINES))
     small = next(r for r in _items(doc, "receipt") if r.find(cls="command"))
     assert "open" in small.find(cls="diff")[0].attrs
+    # a long output too: the exec's stderr, every line kept under a closed toggle
+    stderr = small.find(cls="stderr")[0]
+    toggle = next(d for d in small.find(tag="details") if stderr in d.walk())
+    assert "open" not in toggle.attrs
+    assert stderr.all_text().splitlines()[1:] == [str(i) for i in range(1, LONG_LINES + 1)]
 
 
 def test_a_tampered_chain_is_reported_refused_and_the_page_says_so(

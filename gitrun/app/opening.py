@@ -61,8 +61,11 @@ def cli_options(
     remote: str | None = None,
 ) -> Options:
     """The options of a CLI command from its flags (None: the default of each)."""
+    from gitrun.app.inputs import refuse_stdin
     from gitrun.core.isolation import check_setting
 
+    refuse_stdin(key_file, "--key-file", "the checkpoint keyring is a file gitrun reads and "
+                 "writes (it makes one when missing), not standard input")  # fmt: skip
     opts = Options(
         Workspace(workspace, key_file),
         lease_seconds=lease_seconds,

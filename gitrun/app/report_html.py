@@ -271,6 +271,8 @@ def _event(e: dict[str, Any]) -> str:
         "receipt_conflict": "Receipt conflict: frozen for review",
         "frozen": "Frozen for a human",
         "exec_discarded": "Crash recovery: an unfinished exec step's changes discarded",
+        "exec_interrupted": "Crash recovery: an interrupted exec step frozen for review",
+        "step_crashed": "Step crashed gitrun again at the same point: frozen for review",
         "agent_started": "Agent started",
     }
     head = esc(titles.get(kind, kind))
