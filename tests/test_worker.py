@@ -281,6 +281,13 @@ def test_bad_inputs_to_a_worker_are_one_line_each_with_its_exit_code_and_change_
         ([*node.worker_argv(url, "p"), "--repos", str(tmp_path / "none")], 2, "no such directory"),
         (node.worker_argv(url, "../p"), 2, "is not valid"),
     ]
+    stale = tmp_path / "stale-repos" / "bench__sleepy"  # a clone without the base commit
+    stale.mkdir(parents=True)
+    git(stale, "init", "-q")
+    git(stale, "-c", "user.name=x", "-c", "user.email=x@x.invalid", "commit", "-q",
+        "--allow-empty", "-m", "another history")  # fmt: skip
+    cases.append(([*node.worker_argv(url, "p"), "--repos", str(stale.parent)], 2,
+                  "lacks the base commit"))  # fmt: skip
     for argv, code, words in cases:
         res = node.run(argv, timeout=60)
         assert res.returncode == code, (argv, res.stderr)
