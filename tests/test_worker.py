@@ -133,6 +133,12 @@ def done_records(bare: Path, batch: str) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def git_stdin(repo: Path, data: bytes, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(repo), *args], input=data, capture_output=True,
+                          check=True, timeout=30)  # fmt: skip
+    return done.stdout.decode().strip()
+
+
 def descendants(pid: int) -> list[tuple[int, str]]:
     """Every process below ``pid`` with its command name (read from /proc)."""
     children: dict[int, list[int]] = {}
@@ -304,6 +310,25 @@ def test_bad_inputs_to_a_worker_are_one_line_each_with_its_exit_code_and_change_
     assert res.returncode == 2, res.stderr
     assert "batch p on the remote holds another queue" in one_line(res.stderr)
     assert remote_refs(bare) == before
+    # someone with push access but not the key swaps the published predictions: refused
+    ref = f"{PREFIX}/p/manifest"
+    entries = git(bare, "ls-tree", ref).splitlines()
+    forged = world.predictions.read_text().replace("+fixed", "+mended").encode()  # all wrong
+    assert forged != world.predictions.read_bytes()
+    blob = git_stdin(bare, forged, "hash-object", "-w", "--stdin")
+    listing = "".join(
+        (e.rsplit(" ", 1)[0] + f" {blob}\tpredictions.jsonl" if e.endswith("predictions.jsonl")
+         else e) + "\n" for e in entries
+    )  # fmt: skip
+    tree = git_stdin(bare, listing.encode(), "mktree")
+    message = git(bare, "log", "-1", "--format=%B", ref)
+    commit = git(bare, "commit-tree", tree, "-p", ref, "-m", message).strip()
+    git(bare, "update-ref", ref, commit)
+    res = node.run(node.worker_argv(url, "p"), timeout=60)
+    assert res.returncode == 5, res.stderr
+    assert "inputs of batch p" in one_line(res.stderr)
+    assert "running" not in res.stderr
+    git(bare, "update-ref", ref, before[ref])
     # the batch started by hand gets its inputs once published, and a worker finishes it
     publish(node, world, url, "hand")
     res = node.run(node.worker_argv(url, "hand"))
