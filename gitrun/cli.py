@@ -439,10 +439,19 @@ def swebench_cmd(
             "environment's custom resource (gitrun-env-<digest>).",
         ),
     ] = False,
+    publish: Annotated[
+        bool,
+        typer.Option("--publish", help="Only publish the batch on --remote for `gitrun worker`s."),
+    ] = False,
 ) -> None:
     """Evaluate SWE-bench predictions, one gitrun run per instance."""
     req = swebench.Request(dataset, predictions, repos, run_id, workers, ids, report_dir,
                            remote=remote, lease_seconds=lease_seconds)  # fmt: skip
+    if publish:  # the submitting side of a batch for `gitrun worker`: nothing evaluated
+        from gitrun.app import worker as batch_worker
+
+        typer.echo(batch_worker.publish(req, workspace, key_file))
+        return
     runner = _executor(executor, ray_address, ray_cpus, ray_env_resources)
     report = swebench.run_batch(req, workspace, key_file, None if as_json else _say, runner)
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
@@ -472,6 +481,33 @@ def _executor(
 
 
 app.command("report")(cli_view.report)  # after swebench: the order --help lists them
+
+
+@app.command("worker")
+def worker_cmd(
+    remote: Annotated[
+        str, typer.Option("--remote", envvar="GITRUN_REMOTE", help="Shared git remote URL.")
+    ],
+    batch: Annotated[
+        str, typer.Option("--batch", envvar="GITRUN_BATCH", help="The published batch's run id.")
+    ],
+    repos: Annotated[
+        Path, typer.Option("--repos", envvar="GITRUN_REPOS", help="This node's repositories.")
+    ],
+    report_dir: Annotated[Path, typer.Option("--report-dir")] = Path(),
+    workers: Annotated[int, typer.Option("--max-workers", min=1, help="Instances at once.")] = 1,
+    as_json: JsonOpt = False,
+    workspace: WorkspaceOpt = None,
+    key_file: KeyFileOpt = None,
+) -> None:
+    """Evaluate a published SWE-bench batch with others until none is left; exit 0."""
+    from gitrun.app import worker as batch_worker
+
+    cfg = batch_worker.WorkerConfig(remote, batch, repos, report_dir, workspace, key_file, workers)
+    report = batch_worker.run_worker(cfg, None if as_json else _say)
+    typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
+    for line in report["error_lines"]:  # the batch is done: its errors are its verdicts
+        typer.echo(f"gitrun: {line}", err=True)
 
 
 def main(argv: list[str] | None = None) -> None:

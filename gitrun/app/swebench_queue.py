@@ -11,8 +11,11 @@ fenced by the worker's own claim. A worker whose claim was taken over (killed, o
 past its expiry) lands nothing: its push is rejected as a whole.
 
 Done records carry an HMAC with the batch's shared checkpoint key; a result without a
-valid one is refused, never reported. Expiry compares the holder's clock with the
-reader's: keep the workers' clocks within a fraction of the lease (NTP).
+valid one is refused, never reported. A published batch's manifest commit also holds its
+inputs (dataset rows, predictions, specs, settings) in its tree, under an HMAC with the
+same key, so ``gitrun worker`` needs only the remote, the key and the repositories.
+Expiry compares the holder's clock with the reader's: keep the workers' clocks within a
+fraction of the lease (NTP).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import pygit2
 from filelock import FileLock
 
 from gitrun.core.codec import canonical_bytes
-from gitrun.core.errors import BadInput, CheckpointRejected
+from gitrun.core.errors import BadInput, CheckpointRejected, UnknownBatch
 from gitrun.store.atomicfile import atomic_write
 from gitrun.store.keys import Keyring
 from gitrun.store.remote_git import Remote, Update
@@ -37,6 +40,7 @@ PREFIX = "refs/gitrun/swebench"
 CACHE = "refs/gitrun/swebench-cache"  # this worker's copy of the remote's queue refs
 CLAIMED, DONE = "claimed", "done"
 LOG_FILES = frozenset({"report.json", "test_output.txt", "run_instance.log", "gitrun.json"})
+INPUT_FILES = frozenset({"batch.json", "dataset.jsonl", "predictions.jsonl", "specs.json"})
 
 
 @dataclass(frozen=True)
@@ -143,21 +147,77 @@ class Queue:
         parents = [pygit2.Oid(hex=parent.oid)] if parent else []
         return str(self.repo.create_commit(None, _sig(), _sig(), message, builder.write(), parents))
 
-    def manifest(self, queue: dict[str, Any]) -> dict[str, Entry]:
-        """Publish the batch's queue, or check that the remote's is this very one; the
-        instance runs' states as :meth:`refresh` reads them."""
+    def manifest(self, queue: dict[str, Any], inputs: dict[str, bytes] | None = None
+                 ) -> dict[str, Entry]:  # fmt: skip
+        """Publish the batch's queue (with ``inputs``, the files ``gitrun worker`` plans it
+        from), or check that the remote's is this very one; the instance runs' states as
+        :meth:`refresh` reads them. A manifest published without inputs (a batch started
+        by hand) gets them in a child commit, compare-and-swapped."""
         name = f"{PREFIX}/{self.batch}/manifest"
         for _ in range(3):
             entries = self.refresh()  # its refspec covers the manifest too
             ref = self.repo.references.get(self._cached(name))
-            if ref is not None:
-                message = self.repo[ref.target].peel(pygit2.Commit).message
-                _same_queue(self.batch, json.loads(message.split("\n\n", 1)[1]), queue)
-                return entries
-            doc = {"state": "manifest", "owner": self.worker, "queue": queue}
-            self.remote.push([Update(name, self._commit("manifest", doc, None), None)],
+            old = None if ref is None else self.repo[ref.target].peel(pygit2.Commit)
+            if old is not None:
+                _same_queue(self.batch, json.loads(old.message.split("\n\n", 1)[1]), queue)
+                if inputs is None or len(old.tree) > 0:
+                    return entries
+            doc: dict[str, Any] = {"state": "manifest", "owner": self.worker, "queue": queue}
+            if inputs is not None:
+                doc["inputs"] = self._sign_inputs(inputs)
+            parent = None if old is None else Entry(str(old.id), "manifest", "", 0, 0.0)
+            oid = self._commit("manifest", doc, parent, inputs)
+            self.remote.push([Update(name, oid, parent.oid if parent else None)],
                              "publishing the batch")  # fmt: skip
         raise self.remote.unavailable("publishing the batch", "its manifest never appeared")
+
+    def _sign_inputs(self, inputs: dict[str, bytes]) -> dict[str, str]:
+        key_id, mac = self.keyring.sign(self._inputs_bytes(inputs))
+        return {"key_id": key_id, "mac": mac}
+
+    def _inputs_bytes(self, inputs: dict[str, bytes]) -> bytes:
+        files = {n: _sha(d) for n, d in sorted(inputs.items())}
+        return canonical_bytes({"batch": self.batch, "manifest": "inputs", "files": files})
+
+    def published(self) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """The batch's queue and the inputs published with it, read (one fetch) and checked
+        against the batch's key. :class:`UnknownBatch` when the remote has no such batch,
+        or one started by hand without its inputs; :class:`CheckpointRejected` when the
+        inputs are not signed with this worker's key."""
+        self.refresh()
+        ref = self.repo.references.get(self._cached(f"{PREFIX}/{self.batch}/manifest"))
+        if ref is None:
+            raise UnknownBatch(
+                f"no batch {self.batch} on {self.remote.url}: publish it first with `gitrun "
+                f"swebench --dataset ... --predictions ... --repos ... --run-id {self.batch} "
+                f"--remote {self.remote.url} --publish`, or check --batch"
+            )
+        commit = self.repo[ref.target].peel(pygit2.Commit)
+        try:
+            doc = json.loads(commit.message.split("\n\n", 1)[1])
+            queue, signature = doc["queue"], doc.get("inputs")
+        except (IndexError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointRejected(
+                "queue-record", f"{PREFIX}/{self.batch}/manifest on {self.remote.url} is not a "
+                "gitrun batch manifest; it was not written by gitrun: remove the ref",
+            ) from exc  # fmt: skip
+        if signature is None:
+            raise UnknownBatch(
+                f"batch {self.batch} on {self.remote.url} was started by `gitrun swebench "
+                "--remote` without its inputs: publish them once with that command line and "
+                "--publish added, then start the workers"
+            )
+        files = {str(e.name): self.repo[e.id].peel(pygit2.Blob).data for e in commit.tree}
+        signed = self._inputs_bytes(files)
+        ok = isinstance(signature, dict) and set(files) <= INPUT_FILES and self.keyring.verify(
+            str(signature.get("key_id")), signed, str(signature.get("mac"))) is True  # fmt: skip
+        if not ok:
+            raise CheckpointRejected(
+                "queue-signature", f"the inputs of batch {self.batch} on {self.remote.url} are "
+                "not signed by this worker's checkpoint key: give every worker the batch's "
+                "--key-file (the one it was published with)",
+            )  # fmt: skip
+        return queue, files
 
     def claim(self, rid: str, seen: Entry | None) -> Entry | None:
         """Take the instance (new, or ``seen`` expired); None when another worker has it."""

@@ -18,7 +18,7 @@ import multiprocessing
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from gitrun.app.swebench_run import (
 )
 from gitrun.app.workspace import Workspace, check_run_id
 from gitrun.core.codec import digest
-from gitrun.core.errors import GitrunError, KeyFileError, RemoteUnavailable
+from gitrun.core.errors import BadInput, GitrunError, KeyFileError, RemoteUnavailable
 from gitrun.store.keys import load_keyring
 from gitrun.store.receipts import branch_ref
 
@@ -222,10 +222,9 @@ class Shared:
         return find_repo(Path(self.ctx.repos), job.inst.repo, ws, job.inst.base_commit)
 
 
-def run_shared(ctx: Context, jobs: list[Job], manifest: dict[str, Any], workers: int,
-               show: Shown) -> dict[str, str]:  # fmt: skip
-    """Every instance's result (instance id -> result) once the whole batch is done on the
-    remote ``ctx.remote``, this worker having done its share."""
+def open_queue(ctx: Context, worker: str | None = None) -> Queue:
+    """The queue of batch ``ctx.run_id`` on ``ctx.remote``, cached in the workspace, signed
+    and checked with the batch's shared key (which must exist: it is never made here)."""
     ws = Workspace(Path(ctx.workspace) if ctx.workspace else None,
                    Path(ctx.key_file) if ctx.key_file else None)  # fmt: skip
     url = str(ctx.remote)
@@ -239,16 +238,30 @@ def run_shared(ctx: Context, jobs: list[Job], manifest: dict[str, Any], workers:
     keyring = load_keyring(ws.key_file, create=False)  # the batch's shared key, never made here
     from gitrun.store.lease import default_worker_id
 
-    queue = Queue(url, git_dir, check_run_id(ctx.run_id), keyring, default_worker_id(),
-                  ctx.claim_seconds)  # fmt: skip
-    runs = {gitrun_run_id(ctx, j)[0]: j for j in jobs if j.pred.patch and j.pred.patch.strip()}
+    return Queue(url, git_dir, check_run_id(ctx.run_id), keyring, worker or default_worker_id(),
+                 ctx.claim_seconds)  # fmt: skip
+
+
+def run_shared(ctx: Context, jobs: list[Job], manifest: dict[str, Any], workers: int,
+               show: Shown, only: Collection[str] | None = None,
+               worker: str | None = None) -> dict[str, str]:  # fmt: skip
+    """Every instance's result (instance id -> result) once the whole batch is done on the
+    remote ``ctx.remote``, this worker having done its share. With ``only`` (gitrun run
+    ids), this worker takes and waits for those instances alone (the queue is still the
+    whole batch's) and returns their results."""
+    queue = open_queue(ctx, worker)
+    every = {gitrun_run_id(ctx, j)[0]: j for j in jobs if j.pred.patch and j.pred.patch.strip()}
+    runs = every if only is None else {r: j for r, j in every.items() if r in only}
+    if only is not None and len(runs) != len(set(only)):
+        unknown = sorted(set(only) - set(runs))[0]
+        raise BadInput(f"batch {ctx.run_id} has no instance run {unknown} to evaluate")
     shared = Shared(ctx, queue, runs, show)
-    for job in jobs:
+    for job in jobs if only is None else []:
         if job.inst.instance_id not in {j.inst.instance_id for j in runs.values()}:
             show(job.inst.instance_id, {"instance_id": job.inst.instance_id, "result": EMPTY})
     repos = {shared._repo_dir(j) for j in runs.values()}
     queue.borrow([Path(pygit2.Repository(str(r)).path) / "objects" for r in repos])
-    entries = queue.manifest(manifest | {"runs": sorted(runs)})
+    entries = queue.manifest(manifest | {"runs": sorted(every)})
     heart, pool = Heartbeat(queue, ctx.claim_seconds / 3), Pool(ctx, workers)
     heart.start()
     try:

@@ -283,3 +283,7 @@ class ExtraMissing(GitrunError, ImportError):
 
 class KeyFileError(BadInput):
     """A key file is missing, unreadable, has unsafe permissions, or is malformed."""
+
+
+class UnknownBatch(BadInput, LookupError):
+    """The shared remote has no such batch (or one without the inputs a worker needs)."""

@@ -34,15 +34,12 @@ from typing import Any
 from filelock import FileLock
 
 from gitrun.app.swebench_queue import CLAIMED, DONE, Entry, Queue
-from gitrun.app.swebench_remote import Heartbeat, Pool, Shared
+from gitrun.app.swebench_remote import Heartbeat, Pool, Shared, open_queue
 from gitrun.app.swebench_repos import find_repo
 from gitrun.app.swebench_run import EMPTY, Context, Job, gitrun_run_id, log_dir, write_files
-from gitrun.app.workspace import Workspace, check_run_id
-from gitrun.core.codec import digest
-from gitrun.core.errors import BadInput, Exit, GitrunError, KeyFileError
+from gitrun.app.workspace import Workspace
+from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.integrations.ray_cluster import connected, node_name, require_ray
-from gitrun.store.keys import load_keyring
-from gitrun.store.lease import default_worker_id
 
 Shown = Callable[[str, dict[str, Any] | None], None]  # (instance id, its result or None)
 WHAT = "--executor ray"
@@ -62,25 +59,6 @@ def env_resource(ctx: Context, job: Job) -> str:
     """The custom Ray resource naming the environment ``job`` runs in (its spec's digest,
     as in the instance's gitrun run id): give it to the nodes that have it built."""
     return "gitrun-env-" + gitrun_run_id(ctx, job)[1]["environment"].split(":")[-1][:12]
-
-
-def open_queue(ctx: Context) -> Queue:
-    """The batch's queue on ``ctx.remote``, through this machine's cache of it, signed and
-    checked with the key read here from this machine's key file."""
-    ws = Workspace(Path(ctx.workspace) if ctx.workspace else None,
-                   Path(ctx.key_file) if ctx.key_file else None)  # fmt: skip
-    url = str(ctx.remote)
-    git_dir = ws.root / "swebench-remote" / f"{digest(url).split(':')[-1][:16]}.git"
-    if not ws.key_file.is_file():
-        raise KeyFileError(
-            f"the batch's shared key {ws.key_file} does not exist on {node_name()}: every "
-            "node of a Ray batch reads it from its own file; copy it there (mode 0600) at "
-            "the same path, or, for a new batch, create it with "
-            f"`gitrun keys rotate --key-file {ws.key_file}`"
-        )
-    keyring = load_keyring(ws.key_file, create=False)
-    return Queue(url, git_dir, check_run_id(ctx.run_id), keyring, default_worker_id(),
-                 ctx.claim_seconds)  # fmt: skip
 
 
 def _objects_dir(repo_dir: Path) -> Path:
