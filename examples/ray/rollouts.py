@@ -57,10 +57,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="the Ray cluster (default: a local one)")
     parser.add_argument("--workspace", type=Path, help="where the runs' state stays")
+    parser.add_argument("--rollouts", type=int, default=len(CANDIDATES), help="how many")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gitrun-rollouts-") as tmp:
         ws = args.workspace or Path(tmp)
         batch = uuid.uuid4().hex[:8]
+        candidates = CANDIDATES[: args.rollouts]
         runs = [
             AgentRun(
                 str(TASK),
@@ -69,12 +71,12 @@ def main() -> None:
                 key_file=str(ws / "checkpoint.keyring"),
                 isolation="auto",
             )
-            for i in range(len(CANDIDATES))
+            for i in range(len(candidates))
         ]
         started = time.monotonic()
-        outcomes = run_many(runs, [Policy(line) for line in CANDIDATES], address=args.address,
+        outcomes = run_many(runs, [Policy(line) for line in candidates], address=args.address,
                             local_cpus=2)  # fmt: skip
-        for line, out in zip(CANDIDATES, outcomes, strict=True):
+        for line, out in zip(candidates, outcomes, strict=True):
             print(f"reward {out.reward:.0f}  {out.phase:6}  {len(out.receipts)} receipt(s)  "
                   f"{out.summary[:40]:40}  {line.strip()}")  # fmt: skip
         print(f"{len(outcomes)} rollouts in {time.monotonic() - started:.1f} s")
