@@ -9,6 +9,7 @@ started is killed by pid at the end, and the test checks none is left.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import json
@@ -191,11 +192,8 @@ def _kill_cluster(pgid: int, temp: Path) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    """The node, a reference batch run without Ray (while the cluster starts), and the
-    cluster's address once it is up."""
-    root = tmp_path_factory.mktemp("ray-node")
+def _node(root: Path) -> Node:
+    """This machine as a node: its repositories, the batch key, the remote, the inputs."""
     envs = Path(tempfile.mkdtemp(prefix="gitrun-ray-envs-", dir="/var/tmp"))
     temp = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))  # short: Ray's socket paths
     make_repos(root / "repos")
@@ -205,33 +203,45 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     remote = root / "remote.git"
     git(root, "init", "-q", "--bare", str(remote))
     dataset, preds, want = _inputs(root, envs / "slow-tests")
-    node = Node(root, envs, key, remote, dataset, preds, want, temp)
-    starting = None
-    if HAVE_RAY:
-        ray_cli = str(Path(sys.executable).parent / "ray")
-        starting = subprocess.Popen(
-            [ray_cli, "start", "--head", "--num-cpus", "2", "--port", "0", "--temp-dir",
-             str(temp), "--include-dashboard", "false", "--disable-usage-stats"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=node.env(), text=True,
-            start_new_session=True,
-        )  # fmt: skip
+    return Node(root, envs, key, remote, dataset, preds, want, temp)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    made = _node(tmp_path)
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made.temp, ignore_errors=True)
+        shutil.rmtree(made.envs, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def cluster(node: Node) -> Iterator[None]:
+    """A Ray cluster of 2 CPUs on this node (``ray start --head``), started while a
+    reference batch runs without Ray (``node.report("ref")``); every process of it killed
+    by pid on the way out. One per test module run: all cluster tests are one test (an
+    xdist worker each would start one each)."""
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    starting = subprocess.Popen(
+        [ray_cli, "start", "--head", "--num-cpus", "2", "--port", "0", "--temp-dir",
+         str(node.temp), "--include-dashboard", "false", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=node.env(), text=True,
+        start_new_session=True,
+    )  # fmt: skip
     try:
         reference = node.run(node.argv("ref", "--max-workers", "2"))  # no remote, no Ray
         assert reference.returncode == 0, reference.stderr
-        if starting is not None:
-            _, err = starting.communicate(timeout=90)
-            assert starting.returncode == 0, err
-            port = next((temp / "session_latest").glob("gcs_server_port_*")).read_text()
-            node.address = f"127.0.0.1:{port.strip()}"
-        yield node
+        _, err = starting.communicate(timeout=90)
+        assert starting.returncode == 0, err
+        port = next((node.temp / "session_latest").glob("gcs_server_port_*")).read_text()
+        node.address = f"127.0.0.1:{port.strip()}"
+        yield
     finally:
-        if starting is not None:
-            if starting.poll() is None:
-                starting.kill()
-                starting.communicate()
-            _kill_cluster(starting.pid, temp)
-        shutil.rmtree(temp, ignore_errors=True)
-        shutil.rmtree(envs, ignore_errors=True)
+        if starting.poll() is None:
+            starting.kill()
+            starting.communicate()
+        _kill_cluster(starting.pid, node.temp)
 
 
 # -- what the remote holds ---------------------------------------------------------------
@@ -317,9 +327,24 @@ def test_executor_ray_without_the_extra_says_what_to_install_and_changes_nothing
 
 
 @needs_ray
-def test_a_ray_batch_survives_a_killed_worker_and_a_killed_driver_with_the_same_report(
+def test_on_ray_a_batch_survives_a_killed_worker_and_driver_and_rollouts_get_verdicts(
     node: Node,
 ) -> None:
+    with cluster(node):
+        batch_with_faults(node)
+        rollouts(node)
+    # No secret went through Ray: the key's bytes are in no file of the cluster's session
+    # (its logs, spilled objects, runtime resources).
+    secrets = [bytes.fromhex(v) for v in json.loads(node.key.read_text())["keys"].values()]
+    needles = [s for k in secrets for s in (k, k.hex().encode())]
+    for path in (node.temp / "session_latest").resolve().rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            assert not any(n in data for n in needles), path
+
+
+def batch_with_faults(node: Node) -> None:
+    """The report is the uninterrupted batch's, each instance landed once."""
     reference = node.report("ref")
     slow = sorted(node.want)[1]
     node.slow_marker.write_text("")
@@ -349,14 +374,6 @@ def test_a_ray_batch_survives_a_killed_worker_and_a_killed_driver_with_the_same_
     owners = [h["owner"] for h in history if h["state"] == "claimed"]
     # the killed attempt, Ray's retry, the restarted driver's task: three owners in turn
     assert len(dict.fromkeys(owners)) >= 3, history
-    # No secret went through Ray: the key's bytes are in no file of the cluster's
-    #    session (its logs, spilled objects, runtime resources).
-    secrets = [bytes.fromhex(v) for v in json.loads(node.key.read_text())["keys"].values()]
-    needles = [s for k in secrets for s in (k, k.hex().encode())]
-    for path in (node.temp / "session_latest").resolve().rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            data = path.read_bytes()
-            assert not any(n in data for n in needles), path
 
 
 @needs_ray
@@ -382,8 +399,8 @@ def test_a_task_and_its_arguments_carry_no_key_bytes(node: Node) -> None:
         assert secret.hex().encode() not in shipped
 
 
-@needs_ray
-def test_rollouts_on_ray_get_verdicts_and_receipts_back(node: Node) -> None:
+def rollouts(node: Node) -> None:
+    """examples/ray/rollouts.py on the cluster: each run's verdict and receipts come back."""
     example = ROOT / "examples" / "ray" / "rollouts.py"
     done = subprocess.run(
         [sys.executable, str(example), "--address", node.address, "--rollouts", "2",
