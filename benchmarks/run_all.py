@@ -28,6 +28,7 @@ SCRIPTS = {
     "swebench": "bench_swebench.py",
     "remote": "bench_remote.py",
     "scale": "bench_scale.py",
+    "throughput": "bench_throughput.py",
     "gitview": "bench_gitview.py",
 }
 BLOCK = re.compile(r"<!-- bench:(\w+):begin -->\n(.*?)<!-- bench:\1:end -->", re.S)

@@ -152,6 +152,12 @@ class Shared:
             if all(rid in entries and entries[rid].state == DONE for rid in self.runs):
                 return
             claimed = pool.free() and self._claim(order, entries, pool, heart)
+            if claimed is None:  # our view was stale: read the remote again, at once
+                fresh, fetched = self.queue.refresh(), time.monotonic()
+                if fresh == entries:  # not stale: refused for good? never spin on it
+                    time.sleep(min(0.25, self.queue.ttl / 8))
+                entries = fresh
+                continue
             if not (landed or claimed):
                 time.sleep(min(0.25, self.queue.ttl / 8))
             busy = landed or claimed or not pool.free()
@@ -173,8 +179,8 @@ class Shared:
                             "reason": f"evaluated {who}"})  # fmt: skip
 
     def _claim(self, order: list[str], entries: dict[str, Entry], pool: Pool,
-               heart: Heartbeat) -> bool:  # fmt: skip
-        """Claim one instance and start it; False when none is free, or when the remote
+               heart: Heartbeat) -> bool | None:  # fmt: skip
+        """Claim one instance and start it; False when none is free, None when the remote
         rejected our claim (our view was stale: read it again before the next)."""
         now = time.time()
         for rid in order:
@@ -183,7 +189,7 @@ class Shared:
                 continue
             held = self.queue.claim(rid, seen)
             if held is None:
-                return False
+                return None
             heart.hold(rid, held)
             self.show(self.runs[rid].inst.instance_id, None)
             pool.submit(rid, self.runs[rid])

@@ -23,6 +23,7 @@ land nothing twice.
 from __future__ import annotations
 
 import json
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,11 +35,13 @@ from gitrun.app import swebench
 from gitrun.app.inputs import read_input
 from gitrun.app.swebench_queue import INPUT_FILES
 from gitrun.app.swebench_remote import open_queue, run_shared
+from gitrun.app.swebench_repos import find_repo
 from gitrun.app.swebench_run import EMPTY, Context, Job, gitrun_run_id
 from gitrun.app.workspace import Workspace
 from gitrun.core import swebench as core
 from gitrun.core.errors import BadInput, CheckpointRejected
 from gitrun.core.swebench import Instance
+from gitrun.store.remote_git import git_env
 
 __all__ = [
     "Batch",
@@ -228,12 +231,40 @@ def open_batch(cfg: WorkerConfig) -> Batch:
     """Read, check and plan the published batch (one fetch; nothing is claimed). Raises
     ``UnknownBatch`` (exit 2) for no such batch, ``RemoteUnavailable`` (9) for a
     remote not reached, ``CheckpointRejected`` (5) for inputs not signed with this
-    node's key, ``KeyFileError`` (2) for no key file."""
+    node's key, ``KeyFileError`` (2) for no key file, ``BadInput`` (2) for a repository
+    missing from ``cfg.repos`` or lacking an instance's base commit."""
     with _published_request(cfg) as (req, ctx):
         instances, jobs, submitted = swebench.plan_jobs(req)
     run_ids = {j.inst.instance_id: gitrun_run_id(ctx, j)[0] for j in jobs
                if j.pred.patch and j.pred.patch.strip()}  # fmt: skip
+    _check_repos(cfg, [j for j in jobs if j.inst.instance_id in run_ids])
     return Batch(cfg, ctx, tuple(instances), tuple(jobs), tuple(submitted), run_ids)
+
+
+def _check_repos(cfg: WorkerConfig, jobs: list[Job]) -> None:
+    """Every instance's base commit is in this node's repositories; else one line, exit 2,
+    before anything is claimed (an instance run on a clone without its base commit would
+    land an ``error`` verdict for the whole batch)."""
+    root = Workspace(cfg.workspace, cfg.key_file).root
+    wanted: dict[str, set[str]] = {}
+    for job in jobs:
+        wanted.setdefault(job.inst.repo, set()).add(job.inst.base_commit)
+    for repo, commits in sorted(wanted.items()):
+        path = find_repo(cfg.repos, repo, root, min(commits))  # a bare one: its working clone
+        done = subprocess.run(
+            ["git", "-C", str(path), "cat-file", "--batch-check"], env=git_env(),
+            input="".join(f"{c}^{{commit}}\n" for c in sorted(commits)), capture_output=True,
+            text=True, check=False, timeout=300,
+        )  # fmt: skip
+        missing = [line.split()[0] for line in done.stdout.splitlines() if "missing" in line]
+        if done.returncode != 0 or missing:
+            first = missing[0].removesuffix("^{commit}") if missing else "?"
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise BadInput(
+                f"repository {repo} in {path} lacks the base commit {first}{more} of this "
+                "batch: update this node's clone (git fetch), then start the worker again; "
+                "nothing was claimed"
+            )
 
 
 def run_worker(cfg: WorkerConfig, say: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -241,7 +272,9 @@ def run_worker(cfg: WorkerConfig, say: Callable[[str], None] | None = None) -> d
     on the remote, then write the batch's report (the same on every worker) and return it
     (``report_file``, ``line``, ``error_lines`` added, as ``gitrun swebench`` returns).
     Progress lines go to ``say``. Safe to start any number of times, anywhere."""
-    with _published_request(cfg) as (req, _):
+    with _published_request(cfg) as (req, _ctx):
+        _, jobs, _ = swebench.plan_jobs(req)
+        _check_repos(cfg, [j for j in jobs if j.pred.patch and j.pred.patch.strip()])
         return swebench.run_batch(req, cfg.workspace, cfg.key_file, say)
 
 
