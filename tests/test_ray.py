@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from helpers import git, hermetic_env, one_line
+from ray_helpers import alive, cmdline, pids, ray_head, tree
 from swebench_data import BUNDLE, make_repos
 
 from gitrun.store.keys import load_keyring
@@ -122,76 +123,6 @@ def _inputs(root: Path, marker: Path) -> tuple[Path, Path, dict[str, str]]:
     return root / "six.jsonl", root / "preds.jsonl", want
 
 
-def _pids() -> list[int]:
-    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for pid in _pids():
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        out.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(pid)
-    return out
-
-
-def _tree(roots: set[int]) -> set[int]:
-    """``roots`` and every process below them."""
-    kids, seen, todo = _children(), set(), list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid not in seen:
-            seen.add(pid)
-            todo += kids.get(pid, [])
-    return seen
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _group(pgid: int) -> set[int]:
-    out = set()
-    for pid in _pids():
-        try:
-            if os.getpgid(pid) == pgid:
-                out.add(pid)
-        except OSError:
-            continue
-    return out
-
-
-def _kill_cluster(pgid: int, temp: Path) -> None:
-    """SIGKILL every process the cluster started (its group, and the workers below its
-    raylet, each in a group of its own), by pid; wait until none is alive."""
-    deadline = time.monotonic() + 20
-    while True:
-        pids = {p for p in _tree(_group(pgid)) if _alive(p)}
-        pids |= {p for p in _tree(set(_pids())) if str(temp) in _cmdline(p) and _alive(p)}
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-        assert time.monotonic() < deadline, f"Ray processes left: {sorted(pids)}"
-        time.sleep(0.2)
-
-
 def _node(root: Path) -> Node:
     """This machine as a node: its repositories, the batch key, the remote, the inputs."""
     envs = Path(tempfile.mkdtemp(prefix="gitrun-ray-envs-", dir="/var/tmp"))
@@ -222,26 +153,11 @@ def cluster(node: Node) -> Iterator[None]:
     reference batch runs without Ray (``node.report("ref")``); every process of it killed
     by pid on the way out. One per test module run: all cluster tests are one test (an
     xdist worker each would start one each)."""
-    ray_cli = str(Path(sys.executable).parent / "ray")
-    starting = subprocess.Popen(
-        [ray_cli, "start", "--head", "--num-cpus", "2", "--port", "0", "--temp-dir",
-         str(node.temp), "--include-dashboard", "false", "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=node.env(), text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
+    with ray_head(node.temp, 2, node.env()) as head:
         reference = node.run(node.argv("ref", "--max-workers", "2"))  # no remote, no Ray
         assert reference.returncode == 0, reference.stderr
-        _, err = starting.communicate(timeout=90)
-        assert starting.returncode == 0, err
-        port = next((node.temp / "session_latest").glob("gcs_server_port_*")).read_text()
-        node.address = f"127.0.0.1:{port.strip()}"
+        node.address = head.address()
         yield
-    finally:
-        if starting.poll() is None:
-            starting.kill()
-            starting.communicate()
-        _kill_cluster(starting.pid, node.temp)
 
 
 # -- what the remote holds ---------------------------------------------------------------
@@ -276,8 +192,8 @@ def _landed_once(node: Node, batch: str) -> dict[str, list[dict[str, Any]]]:
 
 def _ray_worker(iid: str, not_pid: int | None = None) -> int | None:
     """The Ray worker process running ``iid``'s task (its title is ``ray::<task name>``)."""
-    for pid in _pids():
-        if pid != not_pid and _cmdline(pid).startswith(f"ray::gitrun-swebench:{iid}"):
+    for pid in pids():
+        if pid != not_pid and cmdline(pid).startswith(f"ray::gitrun-swebench:{iid}"):
             return pid
     return None
 
@@ -292,7 +208,7 @@ def _in_tests(pid: int) -> bool:
     """Whether the instance's test command runs below ``pid`` (matched by its arguments:
     the temporary paths of this very suite have "pytest" in them too)."""
     return any(
-        "-rA" in c and "tests/test_median.py" in c for c in map(_cmdline, _tree({pid}) - {pid})
+        "-rA" in c and "tests/test_median.py" in c for c in map(cmdline, tree({pid}) - {pid})
     )
 
 
@@ -364,7 +280,7 @@ def batch_with_faults(node: Node) -> None:
         first.kill()
         first.wait()
         node.slow_marker.unlink(missing_ok=True)
-    _wait_for("Ray to end the dead driver's task", 30, lambda: not _alive(retry))
+    _wait_for("Ray to end the dead driver's task", 30, lambda: not alive(retry))
     again = node.run(node.on_ray("b"))
     assert again.returncode == 0, again.stderr
     assert "Traceback" not in again.stderr, again.stderr
