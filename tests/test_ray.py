@@ -326,3 +326,30 @@ def rollouts(node: Node) -> None:
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("reward")]
     assert [(r[1], r[2], r[3]) for r in rows] == [("1", "done", "1"), ("0", "failed", "1")]
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--executor", "dask"], "--executor dask: use local or ray"),
+        (["--ray-address", "auto"], "need --executor ray"),
+        (["--ray-cpus", "2"], "need --executor ray"),
+    ],
+)
+def test_a_wrong_executor_option_is_one_line_and_exit_2(
+    tmp_path: Path, extra: list[str], said: str
+) -> None:
+    argv = [sys.executable, "-m", "gitrun", "swebench", "--dataset", "d.jsonl", "--predictions",
+            "gold", "--repos", ".", "--run-id", "r", *extra]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          env=hermetic_env(tmp_path / "home"), check=False)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert said in one_line(done.stderr)
+
+
+@needs_ray
+def test_executor_ray_without_a_remote_is_refused_before_anything_runs(node: Node) -> None:
+    done = node.run(node.argv("nr", "--executor", "ray"))
+    assert done.returncode == 2, done.stderr
+    assert "--remote URL" in one_line(done.stderr)
+    assert not (node.root / "out").exists()
