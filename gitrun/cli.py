@@ -383,6 +383,33 @@ def swebench_cmd(
     remote: RemoteOpt = None,
     lease_seconds: LeaseOpt = 30.0,
     html: Annotated[Path | None, typer.Option("--html", help="Also write the batch page.")] = None,
+    executor: Annotated[
+        str,
+        typer.Option(
+            "--executor",
+            help="local (this machine's processes) or ray (Ray tasks, "
+            "one per instance; needs --remote and the ray extra).",
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            help="The Ray cluster (host:port, or auto); default: "
+            "a local one of --max-workers CPUs.",
+        ),
+    ] = None,
+    ray_cpus: Annotated[
+        float, typer.Option("--ray-cpus", min=0.0, callback=_finite, help="CPUs per instance.")
+    ] = 1.0,
+    ray_env_resources: Annotated[
+        bool,
+        typer.Option(
+            "--ray-env-resources",
+            help="Place each instance on a node offering its "
+            "environment's custom resource (gitrun-env-<digest>).",
+        ),
+    ] = False,
     publish: Annotated[
         bool,
         typer.Option("--publish", help="Only publish the batch on --remote for `gitrun worker`s."),
@@ -396,7 +423,8 @@ def swebench_cmd(
 
         typer.echo(batch_worker.publish(req, workspace, key_file))
         return
-    report = swebench.run_batch(req, workspace, key_file, None if as_json else _say)
+    runner = _executor(executor, ray_address, ray_cpus, ray_env_resources)
+    report = swebench.run_batch(req, workspace, key_file, None if as_json else _say, runner)
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
     if html is not None:  # the batch page, from the files the batch just wrote
         line = cli_view.batch_html(report_dir, run_id, html, _options(workspace, key_file))
@@ -405,6 +433,22 @@ def swebench_cmd(
         typer.echo(f"gitrun: {line}", err=True)
     if report["error_lines"]:
         raise typer.Exit(int(Exit.FAILED))
+
+
+def _executor(
+    name: str, address: str | None, cpus: float, env_resources: bool
+) -> swebench.Executor | None:
+    """``--executor``: None for this machine's workers, else the executor (Ray's)."""
+    if name == "local":
+        if address is not None or env_resources or cpus != 1.0:
+            raise BadInput("--ray-address, --ray-cpus and --ray-env-resources need --executor ray")
+        return None
+    if name != "ray":
+        raise BadInput(f"--executor {name}: use local or ray")
+    from gitrun.integrations import ray_batch, ray_cluster
+
+    ray_cluster.require_ray("--executor ray")  # before anything is read or published
+    return ray_batch.RayExecutor(address, cpus, env_resources)
 
 
 app.command("report")(cli_view.report)  # after swebench: the order --help lists them

@@ -27,7 +27,7 @@ from gitrun.core.swebench import Instance, RepoSpec
 from gitrun.store.atomicfile import atomic_write
 
 SPEC_FILE = "gitrun-swebench.json"
-__all__ = ["SPEC_FILE", "Request", "display", "plan_jobs", "run_batch", "spread_ids"]
+__all__ = ["SPEC_FILE", "Executor", "Request", "display", "plan_jobs", "run_batch", "spread_ids"]
 IDS_OPTION = "--instance-ids"
 
 
@@ -227,9 +227,15 @@ def _map(
             yield out
 
 
+Shown = Callable[[str, dict[str, Any] | None], None]  # (instance id, its result or None)
+# How a shared batch runs: this machine's workers (run_shared), or an executor such as Ray's
+# (gitrun.integrations.ray_batch), given (ctx, jobs, manifest, max_workers, shown).
+Executor = Callable[[Context, list[Job], dict[str, Any], int, Shown], dict[str, str]]
+
+
 def _shared(ctx: Context, req: Request, instances: list[Instance], jobs: list[Job],
             submitted: list[str], show: Display, shown: Callable[[dict[str, Any]], None],
-            counts: dict[str, int]) -> None:  # fmt: skip
+            counts: dict[str, int], executor: Executor | None) -> None:  # fmt: skip
     """The batch shared with other workers through ``req.remote``."""
     from gitrun.app.swebench_remote import run_shared
 
@@ -242,7 +248,7 @@ def _shared(ctx: Context, req: Request, instances: list[Instance], jobs: list[Jo
             shown(out)
 
     manifest = {"instances": [i.instance_id for i in instances], "submitted": submitted}
-    run_shared(ctx, jobs, manifest, req.max_workers, said)
+    (executor or run_shared)(ctx, jobs, manifest, req.max_workers, said)
 
 
 class _Silent(Lines):
@@ -255,14 +261,22 @@ def run_batch(
     workspace: Path | None = None,
     key_file: Path | None = None,
     say: Callable[[str], None] | None = None,
+    executor: Executor | None = None,
 ) -> dict[str, Any]:
     """Evaluate the batch; write ``<model>.<run_id>.json`` (atomically) and return it, with
     ``report_file`` and a one-line summary (``line``) added. Progress goes to ``say`` (or a
-    rich bar on a terminal); ``None`` is silent."""
+    rich bar on a terminal); ``None`` is silent. An ``executor`` runs a shared batch (one
+    with a remote) in place of this machine's workers."""
     instances, jobs, submitted = plan_jobs(req)
     swebench_env.checked_cache_root()  # refused before anything runs, not once per instance
     if req.remote is None:  # the workspace's config.toml may name the batch's remote
         req = replace(req, remote=Workspace(workspace, key_file).config_remote)
+    if executor is not None and req.remote is None:
+        raise BadInput(
+            "this executor runs a shared batch: give --remote URL, the git remote where "
+            "instances are claimed and results land (a bare repository's path will do on "
+            "one machine)"
+        )
     ctx = _context(req, workspace, key_file)
     results: dict[str, str] = {}
     counts = {"done": 0, "resolved": 0, "errors": 0}
@@ -278,7 +292,7 @@ def run_batch(
 
     try:
         if req.remote is not None:
-            _shared(ctx, req, instances, jobs, submitted, show, shown, counts)
+            _shared(ctx, req, instances, jobs, submitted, show, shown, counts, executor)
         else:
             for out in _rounds(ctx, jobs, req.max_workers, lambda i: show.running(i, counts)):
                 shown(out)

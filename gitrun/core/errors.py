@@ -31,6 +31,7 @@ class Exit(IntEnum):
     CONFLICT = 7  # a race lost (a ref CAS, a run id taken); nothing of the loser is visible
     AGENT_GONE = 8  # the session's agent left before the run ended; resume continues it
     REMOTE_UNAVAILABLE = 9  # the shared git remote could not be reached or refused; nothing moved
+    EXTRA_MISSING = 10  # an option needs an optional extra that is not installed; nothing ran
     INTERNAL = 70  # a bug in gitrun (EX_SOFTWARE); GITRUN_DEBUG=1 shows the traceback
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT); the run resumes from its last checkpoint
 
@@ -268,6 +269,16 @@ class RemoteUnavailable(GitrunError, ConnectionError):
     def __init__(self, url: str, message: str) -> None:
         super().__init__(message)
         self.url = url
+
+
+class ExtraMissing(GitrunError, ImportError):
+    """An option needs an optional extra (``extra``) that is not installed; nothing ran."""
+
+    exit_code = Exit.EXTRA_MISSING
+
+    def __init__(self, extra: str, what: str) -> None:
+        super().__init__(f"{what} needs the {extra} extra: pip install 'gitrun[{extra}]'")
+        self.extra = extra
 
 
 class KeyFileError(BadInput):

@@ -70,6 +70,7 @@ class SessionOptions:
     isolation: str | None = None  # --isolation (default: the task's)
     takeover_after: float | None = None  # the first start's --takeover-after (an agent
     # started again after a crash need not wait for the dead gitrun's lease to expire)
+    remote: str | None = None  # --remote: the shared git remote holding the run's refs
 
     def common(self) -> list[str]:
         """The options every gitrun command of this run takes."""
@@ -80,6 +81,8 @@ class SessionOptions:
             out += ["--workspace", str(self.workspace)]
         if self.key_file is not None:
             out += ["--key-file", str(self.key_file)]
+        if self.remote is not None:
+            out += ["--remote", self.remote]
         return out
 
 

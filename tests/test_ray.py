@@ -1,0 +1,355 @@
+"""SWE-bench batches and agent runs on a real local Ray cluster (the ``ray`` extra).
+
+One cluster of 2 CPUs for the module (``ray start --head``, ~10 s, started while the
+reference batch runs), with the environment of this "node": its HOME, the environment
+cache. Faults are real: a Ray worker SIGKILLed while its instance's tests run (Ray retries
+the task), the driver SIGKILLed mid-batch and started again. Every process the cluster
+started is killed by pid at the end, and the test checks none is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import git, hermetic_env, one_line
+from ray_helpers import alive, cmdline, pids, ray_head, tree
+from swebench_data import BUNDLE, make_repos
+
+from gitrun.store.keys import load_keyring
+
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+needs_ray = pytest.mark.skipif(
+    not HAVE_RAY, reason="the ray extra is not installed (pip install 'gitrun[ray]')"
+)
+ROOT = Path(__file__).resolve().parent.parent
+LEASE = "3"  # seconds: a killed attempt's claim is taken over this soon
+PREFIX = "refs/gitrun/swebench"
+SLOW = 4  # seconds the slow instance's tests sleep while the marker file exists
+
+
+# -- the node: repositories, key, environment cache, and a cluster -------------------------
+
+
+@dataclass
+class Node:
+    root: Path
+    envs: Path  # the environment cache, outside /tmp (the sandbox hides /tmp)
+    key: Path
+    remote: Path
+    dataset: Path
+    preds: Path
+    want: dict[str, str]
+    temp: Path  # the cluster's --temp-dir: its session's files
+    address: str = ""
+
+    @property
+    def slow_marker(self) -> Path:
+        return self.envs / "slow-tests"
+
+    def env(self) -> dict[str, str]:
+        return hermetic_env(self.root / "home", GITRUN_HOME=str(self.root / "workspace"),
+                            GITRUN_SWEBENCH_ENVS=str(self.envs))  # fmt: skip
+
+    def argv(self, run_id: str, *extra: str) -> list[str]:
+        return [
+            sys.executable, "-m", "gitrun", "swebench", "--dataset", str(self.dataset),
+            "--predictions", str(self.preds), "--repos", str(self.root / "repos"),
+            "--run-id", run_id, "--report-dir", str(self.root / "out"),
+            "--key-file", str(self.key), "--lease-seconds", LEASE, *extra,
+        ]  # fmt: skip
+
+    def on_ray(self, run_id: str) -> list[str]:
+        return self.argv(run_id, "--remote", str(self.remote), "--executor", "ray",
+                         "--ray-address", self.address)  # fmt: skip
+
+    def run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, capture_output=True, text=True, env=self.env(),
+                              cwd=self.root, timeout=120, check=False)  # fmt: skip
+
+    def start(self, argv: list[str], log: Path) -> subprocess.Popen[str]:
+        with log.open("w") as err:
+            return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                    env=self.env(), cwd=self.root)  # fmt: skip
+
+    def report(self, run_id: str) -> Any:
+        return json.loads((self.root / "out" / f"m.{run_id}.json").read_text())
+
+
+def _slow_patch(work: Path, marker: Path) -> str:
+    """The gold fix of fix-median, with tests that sleep while ``marker`` exists: the
+    verdict is the gold one's, its tests just take long enough to be killed in."""
+    path = work / "stats" / "median.py"
+    old = path.read_text()
+    new = old.replace(
+        "from collections.abc import Iterable\n",
+        f"import os\nimport time\n\nif os.path.exists({str(marker)!r}):\n    time.sleep({SLOW})\n"
+        "from collections.abc import Iterable\n",
+    ).replace("    return data[mid]\n", "    return (data[mid - 1] + data[mid]) / 2\n")
+    new = new.replace(
+        "        return (data[mid - 1] + data[mid]) / 2\n", "        return data[mid]\n", 1
+    )
+    lines = difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                 "a/stats/median.py", "b/stats/median.py")  # fmt: skip
+    return "diff --git a/stats/median.py b/stats/median.py\n" + "".join(lines)
+
+
+def _inputs(root: Path, marker: Path) -> tuple[Path, Path, dict[str, str]]:
+    """Three fix-median instances: -0 gold, -1 gold with slow tests, -2 a wrong patch."""
+    rec = json.loads((BUNDLE / "instances.jsonl").read_text().splitlines()[0])
+    wrong = json.loads((BUNDLE / "preds-wrong.jsonl").read_text().splitlines()[0])
+    slow = _slow_patch(root / "repos" / "gitrun-sandboxes__fix-median", marker)
+    patches = [rec["patch"], slow, wrong["model_patch"]]
+    rows = [rec | {"instance_id": f"{rec['instance_id']}-{n}"} for n in range(3)]
+    preds = [{"instance_id": r["instance_id"], "model_name_or_path": "m", "model_patch": p}
+             for r, p in zip(rows, patches, strict=True)]  # fmt: skip
+    (root / "six.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "preds.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+    want = {r["instance_id"]: "resolved" for r in rows} | {rows[2]["instance_id"]: "unresolved"}
+    return root / "six.jsonl", root / "preds.jsonl", want
+
+
+def _node(root: Path) -> Node:
+    """This machine as a node: its repositories, the batch key, the remote, the inputs."""
+    envs = Path(tempfile.mkdtemp(prefix="gitrun-ray-envs-", dir="/var/tmp"))
+    temp = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))  # short: Ray's socket paths
+    make_repos(root / "repos")
+    shutil.copy(BUNDLE / "specs.json", root / "repos" / "gitrun-swebench.json")
+    key = root / "shared.keyring"
+    load_keyring(key)
+    remote = root / "remote.git"
+    git(root, "init", "-q", "--bare", str(remote))
+    dataset, preds, want = _inputs(root, envs / "slow-tests")
+    return Node(root, envs, key, remote, dataset, preds, want, temp)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    made = _node(tmp_path)
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made.temp, ignore_errors=True)
+        shutil.rmtree(made.envs, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def cluster(node: Node) -> Iterator[None]:
+    """A Ray cluster of 2 CPUs on this node (``ray start --head``), started while a
+    reference batch runs without Ray (``node.report("ref")``); every process of it killed
+    by pid on the way out. One per test module run: all cluster tests are one test (an
+    xdist worker each would start one each)."""
+    with ray_head(node.temp, 2, node.env()) as head:
+        reference = node.run(node.argv("ref", "--max-workers", "2"))  # no remote, no Ray
+        assert reference.returncode == 0, reference.stderr
+        node.address = head.address()
+        yield
+
+
+# -- what the remote holds ---------------------------------------------------------------
+
+
+def _history(bare: Path, ref: str) -> list[dict[str, Any]]:
+    out = git(bare, "log", "--reverse", "--format=%B%x00", ref)
+    return [json.loads(m.strip().split("\n\n", 1)[1]) for m in out.split("\0") if m.strip()]
+
+
+def _landed_once(node: Node, batch: str) -> dict[str, list[dict[str, Any]]]:
+    """Each instance's queue history; asserts one done record each, by one owner, last,
+    with its run's branch holding exactly its two receipts (prediction, test patch)."""
+    lines = git(node.remote, "for-each-ref", "--format=%(refname)").split()
+    runs = sorted(r for r in lines if r.startswith(f"{PREFIX}/{batch}/runs/"))
+    assert len(runs) == len(node.want)
+    out = {}
+    for ref in runs:
+        rid = ref.rsplit("/", 1)[1]
+        history = _history(node.remote, ref)
+        done = [h for h in history if h["state"] == "done"]
+        assert len(done) == 1, history
+        assert history[-1] is done[0], history
+        branch = f"refs/heads/gitrun/{rid}"
+        receipts = git(node.remote, "log", "--format=%(trailers:key=Gitrun-Run,valueonly)", branch)
+        assert receipts.split() == [rid, rid], receipts
+        meta = json.loads(git(node.remote, "show", f"{ref}:gitrun.json"))
+        assert meta["result"] == node.want[meta["instance_id"]]
+        out[meta["instance_id"]] = history
+    return out
+
+
+def _ray_worker(iid: str, not_pid: int | None = None) -> int | None:
+    """The Ray worker process running ``iid``'s task (its title is ``ray::<task name>``)."""
+    for pid in pids():
+        if pid != not_pid and cmdline(pid).startswith(f"ray::gitrun-swebench:{iid}"):
+            return pid
+    return None
+
+
+def _testing(iid: str, not_pid: int | None = None) -> int | None:
+    """The Ray worker running ``iid``'s tests now (not ``not_pid``), or None."""
+    pid = _ray_worker(iid, not_pid)
+    return pid if pid is not None and _in_tests(pid) else None
+
+
+def _in_tests(pid: int) -> bool:
+    """Whether the instance's test command runs below ``pid`` (matched by its arguments:
+    the temporary paths of this very suite have "pytest" in them too)."""
+    return any(
+        "-rA" in c and "tests/test_median.py" in c for c in map(cmdline, tree({pid}) - {pid})
+    )
+
+
+def _wait_for(what: str, timeout: float, probe: Any) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = probe()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+def test_executor_ray_without_the_extra_says_what_to_install_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    blocked = "import sys; sys.modules['ray'] = None; from gitrun.cli import main; main()"
+    (tmp_path / "remote.git").mkdir()
+    argv = [sys.executable, "-c", blocked, "swebench", "--dataset", "d.jsonl", "--predictions",
+            "gold", "--repos", ".", "--run-id", "r", "--remote", str(tmp_path / "remote.git"),
+            "--executor", "ray"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          env=hermetic_env(tmp_path / "home"), check=False)  # fmt: skip
+    line = one_line(done.stderr)
+    assert done.returncode == 10, done.stderr
+    assert "pip install 'gitrun[ray]'" in line
+    assert not any((tmp_path / "remote.git").iterdir())  # nothing published
+    assert not list(tmp_path.glob("*.json"))  # no report
+
+
+@needs_ray
+def test_on_ray_a_batch_survives_a_killed_worker_and_driver_and_rollouts_get_verdicts(
+    node: Node,
+) -> None:
+    with cluster(node):
+        batch_with_faults(node)
+        rollouts(node)
+    # No secret went through Ray: the key's bytes are in no file of the cluster's session
+    # (its logs, spilled objects, runtime resources).
+    secrets = [bytes.fromhex(v) for v in json.loads(node.key.read_text())["keys"].values()]
+    needles = [s for k in secrets for s in (k, k.hex().encode())]
+    for path in (node.temp / "session_latest").resolve().rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            assert not any(n in data for n in needles), path
+
+
+def batch_with_faults(node: Node) -> None:
+    """The report is the uninterrupted batch's, each instance landed once."""
+    reference = node.report("ref")
+    slow = sorted(node.want)[1]
+    node.slow_marker.write_text("")
+    first = node.start(node.on_ray("b"), node.root / "first.txt")
+    try:
+        # 1. The Ray worker evaluating the slow instance is SIGKILLed during its tests.
+        killed = _wait_for("the slow instance's tests", 90, lambda: _testing(slow))
+        os.kill(killed, signal.SIGKILL)
+        # 2. Ray retries the task; the retry takes the dead attempt's claim over once it
+        #    expires and runs the tests again, under the same driver.
+        retry = _wait_for("Ray's retry in the tests", 90, lambda: _testing(slow, not_pid=killed))
+        # 3. The driver is SIGKILLed (Ray ends its tasks, the retry among them) and started
+        #    again: it submits what is not done, and the claims left are taken over.
+        first.send_signal(signal.SIGKILL)
+        assert first.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        first.kill()
+        first.wait()
+        node.slow_marker.unlink(missing_ok=True)
+    _wait_for("Ray to end the dead driver's task", 30, lambda: not alive(retry))
+    again = node.run(node.on_ray("b"))
+    assert again.returncode == 0, again.stderr
+    assert "Traceback" not in again.stderr, again.stderr
+    assert f"{slow}: resolved" in again.stderr  # progress as the local batch shows it
+    assert node.report("b") == reference
+    history = _landed_once(node, "b")[slow]
+    owners = [h["owner"] for h in history if h["state"] == "claimed"]
+    # the killed attempt, Ray's retry, the restarted driver's task: three owners in turn
+    assert len(dict.fromkeys(owners)) >= 3, history
+
+
+@needs_ray
+def test_a_task_and_its_arguments_carry_no_key_bytes(node: Node) -> None:
+    from ray import cloudpickle
+
+    from gitrun.app.swebench import Request, plan_jobs
+    from gitrun.app.swebench_run import Context
+    from gitrun.integrations import ray_batch, ray_runs
+
+    req = Request(node.dataset, str(node.preds), node.root / "repos", "k")
+    _, jobs, _ = plan_jobs(req)
+    ctx = Context("k", str(node.root / "repos"), str(node.root / "out"),
+                  str(node.root / "workspace"), str(node.key), remote=str(node.remote))  # fmt: skip
+    run = ray_runs.AgentRun(str(ROOT / "sandboxes" / "fix-median"), "r1", key_file=str(node.key))
+    shipped: bytes = cloudpickle.dumps(  # type: ignore[no-untyped-call]
+        (ray_batch.settle, ray_runs.run_here, ctx, jobs, run)
+    )
+    secrets = [bytes.fromhex(v) for v in json.loads(node.key.read_text())["keys"].values()]
+    assert str(node.key).encode() in shipped  # the path travels, so the bytes could be seen
+    for secret in secrets:
+        assert secret not in shipped
+        assert secret.hex().encode() not in shipped
+
+
+def rollouts(node: Node) -> None:
+    """examples/ray/rollouts.py on the cluster: each run's verdict and receipts come back."""
+    example = ROOT / "examples" / "ray" / "rollouts.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "--address", node.address, "--rollouts", "2",
+         "--workspace", str(node.root / "rollouts")],
+        capture_output=True, text=True, env=node.env(), timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("reward")]
+    assert [(r[1], r[2], r[3]) for r in rows] == [("1", "done", "1"), ("0", "failed", "1")]
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--executor", "dask"], "--executor dask: use local or ray"),
+        (["--ray-address", "auto"], "need --executor ray"),
+        (["--ray-cpus", "2"], "need --executor ray"),
+    ],
+)
+def test_a_wrong_executor_option_is_one_line_and_exit_2(
+    tmp_path: Path, extra: list[str], said: str
+) -> None:
+    argv = [sys.executable, "-m", "gitrun", "swebench", "--dataset", "d.jsonl", "--predictions",
+            "gold", "--repos", ".", "--run-id", "r", *extra]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          env=hermetic_env(tmp_path / "home"), check=False)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert said in one_line(done.stderr)
+
+
+@needs_ray
+def test_executor_ray_without_a_remote_is_refused_before_anything_runs(node: Node) -> None:
+    done = node.run(node.argv("nr", "--executor", "ray"))
+    assert done.returncode == 2, done.stderr
+    assert "--remote URL" in one_line(done.stderr)
+    assert not (node.root / "out").exists()
