@@ -17,6 +17,10 @@ Floors measured in the same rounds: ``python -c pass`` and the import of dulwich
 store alone.
 
     python benchmarks/bench_status_reader.py [--quick] [--iterations N] [--packed]
+        [--baseline DIR]
+
+``--baseline DIR`` adds the status of another gitrun checkout in the same rounds (e.g.
+``git worktree add /tmp/before <commit>``: the reader before a change).
 
 ``--packed`` runs ``git gc`` on the run's repository first, so every object is read from a
 pack (the default reads a young run's loose objects, where dulwich is never imported).
@@ -76,6 +80,8 @@ class DulwichReader(GitReader):
 
 LAUNCHER = """
 import sys
+if sys.argv[1].startswith("tree="):  # another checkout of gitrun (--baseline)
+    sys.path.insert(0, sys.argv[1][5:])
 READER
 from gitrun.app import status_read
 if sys.argv[1] == "dulwich":
@@ -95,9 +101,11 @@ def launcher(tmp: Path) -> Path:
     return path
 
 
-def commands(gitrun: list[str], script: Path) -> dict[str, list[str]]:
+def commands(gitrun: list[str], script: Path, baseline: Path | None) -> dict[str, list[str]]:
     py = sys.executable
-    return {
+    tree = f"tree={baseline}"
+    other = {"status, baseline checkout": [py, str(script), tree, "time", "status", RUN_ID]}
+    return (other if baseline is not None else {}) | {
         "floor: `python -c pass`": [py, "-c", "pass"],
         "floor: import dulwich.object_store": [py, "-c", "import dulwich.object_store"],
         "`gitrun status RUN` (installed)": [*gitrun, "status", RUN_ID],
@@ -177,6 +185,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (indicative only)")
     ap.add_argument("--iterations", type=int, default=None, help="samples per command (default 40)")
     ap.add_argument("--packed", action="store_true", help="git gc the run's repository first")
+    ap.add_argument(
+        "--baseline", type=Path, default=None,
+        help="also time the status of another gitrun checkout (e.g. a worktree of main)",
+    )  # fmt: skip
     args = ap.parse_args()
     iterations = args.iterations or (8 if args.quick else 40)
 
@@ -198,7 +210,7 @@ def main() -> None:
         script = launcher(tmp)
         check_same(gitrun, script, env)
         t0 = time.perf_counter()
-        samples = measure(commands(gitrun, script), env, iterations, 2)
+        samples = measure(commands(gitrun, script, args.baseline), env, iterations, 2)
         print(f"  {iterations} samples per command in {time.perf_counter() - t0:.1f}s")
     print()
     c.markdown_block("status-reader", table(samples, args.packed), pressure)

@@ -57,11 +57,6 @@ KNOWN_PYGIT2_ABOVE: frozenset[str] = frozenset(
         "gitrun.app.swebench_repos",
         "gitrun.app.swebench_run",
         "gitrun.app.workspace",
-        "gitrun.engine.approvals",
-        "gitrun.engine.recovery",
-        "gitrun.engine.session",
-        "gitrun.engine.session_read",
-        "gitrun.engine.session_rewind",
     }
 )
 
