@@ -46,3 +46,10 @@ def side_by_side(left_title: str, left: str, right_title: str, right: str) -> st
         y = b[i] if i < len(b) else ""
         rows.append(f"{x[:col]:<{col}} | {y[:col]}")
     return "\n".join(rows) + "\n"
+
+
+def diffstat(repo: pygit2.Repository, parent: str, commit: str) -> dict[str, int]:
+    """Files changed, insertions and deletions from ``parent`` to ``commit`` (git's stat)."""
+    stats = repo.diff(parent, commit).stats
+    return {"files": stats.files_changed, "insertions": stats.insertions,
+            "deletions": stats.deletions}  # fmt: skip

@@ -4,28 +4,18 @@ chain and the receipts) and ``gitrun rewind`` (one new step restoring an earlier
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import pygit2
-
+from gitrun.adapter.show import diffstat
 from gitrun.app.opening import Options, lease_store, load_verified, open_run
 from gitrun.core.codec import encode
 from gitrun.core.errors import BadInput, CheckpointRejected, GateRejected
 from gitrun.core.records import NEEDS_REVIEW, TERMINAL
 
-if TYPE_CHECKING:
-    from gitrun.core.records import Receipt
-
 
 def parse_target(text: str) -> str | int:
     """``--to``: a generation number (all digits, shorter than a commit prefix) or a commit."""
     return int(text) if text.isdigit() and len(text) < 7 else text
-
-
-def _diffstat(repo: pygit2.Repository, receipt: Receipt) -> dict[str, int]:
-    stats = repo.diff(receipt.parent, receipt.commit).stats
-    return {"files": stats.files_changed, "insertions": stats.insertions,
-            "deletions": stats.deletions}  # fmt: skip
 
 
 def run_log(run_id: str, opts: Options) -> dict[str, Any]:
@@ -49,7 +39,7 @@ def run_log(run_id: str, opts: Options) -> dict[str, Any]:
             "commit": r.commit,
             "tree": r.tree,
             "paths": list(r.paths),
-            "diffstat": _diffstat(repo, r),
+            "diffstat": diffstat(repo, r.parent, r.commit),
             "verifier": verdicts.get(r.commit),
         }
         for r in opened.env.receipts()

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pygit2
-
 from gitrun.adapter.environment import Environment
+from gitrun.adapter.gittypes import GitError, Repository, commit_at
 from gitrun.app.options import Options, quiet
 from gitrun.app.workspace import RunRecord, Workspace, check_run_id
 from gitrun.core import trailer
@@ -84,36 +83,36 @@ def cli_options(
 class Opened:
     record: RunRecord
     task: Task
-    repo: pygit2.Repository
+    repo: Repository
     env: Environment
     store: CheckpointStore
     site: RemoteSite | None = None  # a --remote run's handle on the shared remote
 
 
-def base_parts(task: Task, repo: pygit2.Repository, record_base: str | None) -> dict[str, str]:
+def base_parts(task: Task, repo: Repository, record_base: str | None) -> dict[str, str]:
     """Scenario parts from the task file as handed in now (initial state recomputed)."""
     if task.initial.repo_dir is not None:
         commit, tree = trees.hash_base(Path(task.initial.repo_dir), task.initial.message)
     elif task.initial.commit is not None:
         commit = task.initial.commit
-        obj = repo.get(commit)
-        tree = str(obj.tree_id) if isinstance(obj, pygit2.Commit) else "missing"
+        found = commit_at(repo, commit)
+        tree = str(found.tree_id) if found is not None else "missing"
     else:
         commit = record_base or ""
-        obj = repo.get(commit) if commit else None
-        tree = str(obj.tree_id) if isinstance(obj, pygit2.Commit) else "missing"
+        found = commit_at(repo, commit) if commit else None
+        tree = str(found.tree_id) if found is not None else "missing"
     return task.scenario_parts(commit, tree)
 
 
 def keyring_store(
-    repo: pygit2.Repository, ws: Workspace, site: RemoteSite | None = None
+    repo: Repository, ws: Workspace, site: RemoteSite | None = None
 ) -> CheckpointStore:
     """The checkpoint store of an existing run: its keyring must exist (never made here)."""
     return checkpoint_store(repo, ws, load_keyring(ws.key_file, create=False), site)
 
 
 def checkpoint_store(
-    repo: pygit2.Repository, ws: Workspace, keyring: Keyring, site: RemoteSite | None = None
+    repo: Repository, ws: Workspace, keyring: Keyring, site: RemoteSite | None = None
 ) -> CheckpointStore:
     """The one way the product builds a checkpoint store: always with the workspace's
     freshness witness, since a signature alone proves no freshness; on a --remote run,
@@ -125,7 +124,7 @@ def checkpoint_store(
 
 
 def lease_store(
-    repo: pygit2.Repository, run_id: str, opts: Options, site: RemoteSite | None
+    repo: Repository, run_id: str, opts: Options, site: RemoteSite | None
 ) -> LeaseManager:
     """The one way the product builds a run's lease handle (the remote's on a --remote run)."""
     if site is not None:
@@ -133,7 +132,7 @@ def lease_store(
     return LeaseManager(repo, run_id, opts.worker, opts.lease_seconds)
 
 
-def remote_site(repo: pygit2.Repository, url: str | None) -> RemoteSite | None:
+def remote_site(repo: Repository, url: str | None) -> RemoteSite | None:
     return None if url is None else RemoteSite(repo, url)
 
 
@@ -203,6 +202,6 @@ def lease_floor(opened: Opened, state: RunState) -> int:
     try:
         tip = opened.env.head()
         on_branch = trailer.lease_of(tip.message_trailers)
-    except (GitrunError, ValueError, KeyError, pygit2.GitError):
+    except (GitrunError, ValueError, KeyError, GitError):
         on_branch = 0  # no branch, no trailer: reconcile names that under the lease
     return max(state.lease_version, on_branch)

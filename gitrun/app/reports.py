@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pygit2
-
+from gitrun.adapter.gittypes import commit_at
 from gitrun.app.opening import Options, load_verified, open_run, the_ref
 from gitrun.app.status import status as status  # noqa: PLC0414 - re-export
 from gitrun.core.codec import encode
@@ -104,8 +103,8 @@ def approve(
     if opts.trust_roots is not None:
         verify_evidence(signed, load_trust_roots(opts.trust_roots), "approver", APPROVAL_DOMAIN)
     submit(opened.repo, run_id, "approval", signed, opened.site)
-    base = opened.repo.get(state.pending.precondition.head)
-    tree = base.tree if isinstance(base, pygit2.Commit) else opened.env.head().tree
+    base = commit_at(opened.repo, state.pending.precondition.head)
+    tree = base.tree if base is not None else opened.env.head().tree
     return state, signed, action_diff(opened.repo, state.pending.action, tree)
 
 
@@ -119,8 +118,8 @@ def review_case(run_id: str, opts: Options) -> tuple[RunState, str]:
     case = state.review
     if case is None or state.pending is None:
         raise BadInput(f"run {run_id} is {state.phase}; it has no open review case")
-    base = opened.repo.get(state.pending.precondition.head)
-    tree = base.tree if isinstance(base, pygit2.Commit) else opened.env.head().tree
+    base = commit_at(opened.repo, state.pending.precondition.head)
+    tree = base.tree if base is not None else opened.env.head().tree
     left = action_diff(opened.repo, case.action, tree)
     if case.receipt is None:  # an interrupted exec: nothing was committed
         title, right = "no receipt", case.reason + "\n"

@@ -14,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pygit2
-
 from gitrun.adapter.environment import Environment, branch_ref
+from gitrun.adapter.gittypes import Oid, Repository, oid
+from gitrun.adapter.repos import user_repo
 from gitrun.app import remote_run, starting
 from gitrun.app.opening import (
     Opened,
@@ -42,7 +42,7 @@ from gitrun.app.reports import (
     status,
     verify,
 )
-from gitrun.app.workspace import RunRecord, check_run_id, new_run_id, user_repo
+from gitrun.app.workspace import RunRecord, check_run_id, new_run_id
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, CheckpointRejected, Frozen, GitrunError, LeaseLost
 from gitrun.core.records import AWAITING_APPROVAL, NEEDS_REVIEW, TERMINAL, RunState
@@ -117,9 +117,7 @@ def start(
     return _setup_and_run(record, task, repo, agent, store, opts, site=site)
 
 
-def _repo_and_base(
-    task: Task, opts: Options, repo_path: Path | None
-) -> tuple[pygit2.Repository, pygit2.Oid]:
+def _repo_and_base(task: Task, opts: Options, repo_path: Path | None) -> tuple[Repository, Oid]:
     """The repository a new run works in and its base commit: ``--repo``, else the task's
     ``path``, else the task's own sandbox repository in the workspace."""
     if repo_path is not None:
@@ -132,8 +130,8 @@ def _repo_and_base(
 def _new_record(
     rid: str,
     task: Task,
-    repo: pygit2.Repository,
-    base: pygit2.Oid,
+    repo: Repository,
+    base: Oid,
     agent: ScriptAgent,
     recorded_spec: str,
     opts: Options,
@@ -181,7 +179,7 @@ def _start_again(
 def _setup_and_run(
     record: RunRecord,
     task: Task,
-    repo: pygit2.Repository,
+    repo: Repository,
     agent: ScriptAgent,
     store: CheckpointStore,
     opts: Options,
@@ -205,7 +203,7 @@ def _setup_and_run(
 def _first_runtime(
     record: RunRecord,
     task: Task,
-    repo: pygit2.Repository,
+    repo: Repository,
     agent: ScriptAgent,
     store: CheckpointStore,
     lease: LeaseManager,
@@ -220,7 +218,7 @@ def _first_runtime(
     env = Environment.create(
         repo,
         record.run_id,
-        pygit2.Oid(hex=record.base_commit),
+        oid(record.base_commit),
         Path(record.worktree),
         f"{task.id}@{task.version}",
         fence=lease.fence,

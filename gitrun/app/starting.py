@@ -14,8 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import pygit2
-
+from gitrun.adapter.gittypes import Repository, discover
 from gitrun.app.workspace import RunRecord, Workspace
 from gitrun.core.errors import CheckpointRejected, GitrunError, KeyFileError
 from gitrun.core.task import Task
@@ -24,10 +23,10 @@ from gitrun.store import gitstore
 from gitrun.store.keys import Keyring, load_keyring
 from gitrun.store.lease import Fence, fenced
 
-PartsOf = Callable[[pygit2.Repository, str], dict[str, str]]
+PartsOf = Callable[[Repository, str], dict[str, str]]
 
 
-def repo_dir(repo: pygit2.Repository) -> str:
+def repo_dir(repo: Repository) -> str:
     """The directory a run's record names for its repository."""
     return str(Path(repo.path).parent if not repo.is_bare else repo.path)
 
@@ -105,11 +104,11 @@ def _repo_dir_of(task: Task, ws: Workspace, repo_path: Path | None) -> str:
     where = repo_path if repo_path is not None else task.initial.path
     if where is None:
         return str(ws.root / "repos" / task.id)
-    found = pygit2.discover_repository(str(where)) if Path(where).exists() else None
+    found = discover(where) if Path(where).exists() else None
     return str(Path(found).parent) if found else str(where)
 
 
-def mark_set_up(ws: Workspace, repo: pygit2.Repository, run_id: str, fence: Fence) -> None:
+def mark_set_up(ws: Workspace, repo: Repository, run_id: str, fence: Fence) -> None:
     """Record that the run's first checkpoint is durable (its lease holder only)."""
     with fenced(repo, run_id, fence):
         current = ws.load(run_id)
@@ -117,9 +116,7 @@ def mark_set_up(ws: Workspace, repo: pygit2.Repository, run_id: str, fence: Fenc
             ws.save(replace(current, setup_done=True))
 
 
-def mark_missing(
-    repo: pygit2.Repository, rec: RunRecord, witnessed: str = ""
-) -> CheckpointRejected:
+def mark_missing(repo: Repository, rec: RunRecord, witnessed: str = "") -> CheckpointRejected:
     """The refusal for a set-up run whose checkpoint ref is gone: never re-create it.
     ``witnessed`` is the witness's word on what the ref held (the commit to restore)."""
     missing = f"its checkpoint ref (refs/gitrun/runs/{rec.run_id}/checkpoints/...){witnessed}"
@@ -133,7 +130,7 @@ def mark_missing(
     )
 
 
-def check_unstarted(repo: pygit2.Repository, rec: RunRecord) -> None:
+def check_unstarted(repo: Repository, rec: RunRecord) -> None:
     """Refuse to redo a setup unless all of gitrun's own evidence says none finished.
 
     The registry must still say setup; the branch must be absent or at the base and no
@@ -152,7 +149,7 @@ def check_unstarted(repo: pygit2.Repository, rec: RunRecord) -> None:
         )
 
 
-def discard_setup(repo: pygit2.Repository, rec: RunRecord) -> None:
+def discard_setup(repo: Repository, rec: RunRecord) -> None:
     """Undo a setup a crash interrupted before the first checkpoint (nothing was done)."""
     wt_name = f"gitrun-{rec.run_id}"
     if wt_name in repo.list_worktrees():
@@ -166,7 +163,7 @@ def discard_setup(repo: pygit2.Repository, rec: RunRecord) -> None:
         gitstore.update_ref(repo, rec.branch, tip, None, message="gitrun: discard unstarted run")
 
 
-def clear_stale_locks(repo: pygit2.Repository, run_id: str) -> None:
+def clear_stale_locks(repo: Repository, run_id: str) -> None:
     """Remove the ``<ref>.lock`` files a killed gitrun writer left on this run's refs.
 
     Only refs no later step of the run will lock need this (a discarded instance's

@@ -30,9 +30,9 @@ from gitrun.core.task import Task
 from gitrun.store.atomicfile import atomic_dir, atomic_write
 
 if TYPE_CHECKING:
-    # pygit2 loads only where a repository is made or opened here, not for `gitrun status`
+    # git loads only where a repository is made or opened here, not for `gitrun status`
     # (which reads run records; issue #15).
-    import pygit2
+    from gitrun.adapter.gittypes import Oid, Repository
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -188,7 +188,7 @@ class Workspace:
     def runs(self) -> list[RunRecord]:
         return [self.load(rid) for rid in self.runs_ids()]
 
-    def sandbox_repo(self, task: Task) -> tuple[pygit2.Repository, pygit2.Oid]:
+    def sandbox_repo(self, task: Task) -> tuple[Repository, Oid]:
         """The sandbox's repository, with its deterministic base commit on ``main``."""
         if task.initial.repo_dir is None:
             raise BadInput(f"task {task.id} ships no repo; pass --repo PATH")
@@ -198,8 +198,7 @@ class Workspace:
                 f"{Path(task.task_dir) / 'task.toml'}: initial.repo {repo_dir} contains the "
                 f"gitrun workspace {self.root}; name a directory of base files only"
             )
-        import pygit2
-
+        from gitrun.adapter.repos import init_sandbox, sandbox_base
         from gitrun.store import gitstore
 
         path = self.root / "repos" / task.id
@@ -214,59 +213,7 @@ class Workspace:
                 # or a HEAD.lock from an interrupted checkout.
                 gitstore.configure_git()
                 with atomic_dir(path) as scratch:
-                    pygit2.init_repository(str(scratch), bare=False, initial_head="main")
-                    _sandbox_base(gitstore.open_repo(scratch), task)
+                    init_sandbox(scratch, repo_dir, task.initial.message)
             repo = gitstore.open_repo(path)
-            base = _sandbox_base(repo, task)
+            base = sandbox_base(repo, repo_dir, task.initial.message)
         return repo, base
-
-
-def _sandbox_base(repo: pygit2.Repository, task: Task) -> pygit2.Oid:
-    """The deterministic base commit of a sandbox, on ``main`` (checked out if new)."""
-    from gitrun.store import gitstore, trees
-
-    if task.initial.repo_dir is None:
-        raise BadInput(f"task {task.id} ships no repo; pass --repo PATH")
-    tree = trees.tree_from_dir(repo, Path(task.initial.repo_dir))
-    base = trees.deterministic_commit(repo, tree, task.initial.message, [])
-    if gitstore.read_ref(repo, "refs/heads/main") is None:
-        gitstore.update_ref(repo, "refs/heads/main", None, base, message="gitrun: sandbox base")
-        repo.checkout("refs/heads/main")
-    return base
-
-
-def user_repo(path: Path, commit: str | None) -> tuple[pygit2.Repository, pygit2.Oid]:
-    """An existing repository (clean), and its base commit: ``commit`` or HEAD."""
-    import pygit2
-
-    from gitrun.store import gitstore
-
-    if not path.exists():
-        raise BadInput(f"--repo {path}: no such directory")
-    discovered = pygit2.discover_repository(str(path))
-    if discovered is None:
-        raise BadInput(f"--repo {path}: not a git repository (run `git init` there first)")
-    repo = gitstore.open_repo(discovered)
-    if repo.is_bare:
-        raise BadInput(f"--repo {path}: a bare repository has no working tree to check")
-    if repo.head_is_unborn:
-        raise BadInput(f"--repo {path}: the repository has no commits yet; commit a base first")
-    dirty = {
-        p
-        for p, f in repo.status(untracked_files="no").items()
-        if f != pygit2.enums.FileStatus.CURRENT
-    }
-    if dirty:
-        more = f" and {len(dirty) - 1} more" if len(dirty) > 1 else ""
-        raise BadInput(
-            f"--repo {path}: uncommitted changes in {sorted(dirty)[0]}{more}; "
-            "commit or stash them first"
-        )
-    if commit is None:
-        head = repo.head.peel(pygit2.Commit)
-        return repo, head.id
-    try:
-        obj = repo.revparse_single(commit)
-    except (KeyError, ValueError) as exc:
-        raise BadInput(f"initial.commit {commit} is not in {path}") from exc
-    return repo, obj.peel(pygit2.Commit).id

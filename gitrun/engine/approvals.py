@@ -16,8 +16,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-import pygit2
-
+from gitrun.adapter.gittypes import Repository
 from gitrun.core.codec import DecodeError, canonical_bytes, decode, digest, encode
 from gitrun.core.errors import ApprovalRefused, BadInput, CheckpointRejected, ReceiptDrift
 from gitrun.core.machine import approval_in
@@ -38,7 +37,7 @@ def inbox_ref(run_id: str, kind: str) -> str:
 
 
 def submit(
-    repo: pygit2.Repository,
+    repo: Repository,
     run_id: str,
     kind: str,
     evidence: Signed,
@@ -56,7 +55,7 @@ def submit(
 
 
 def read_inbox(
-    repo: pygit2.Repository, run_id: str, kind: str, site: RemoteSite | None = None
+    repo: Repository, run_id: str, kind: str, site: RemoteSite | None = None
 ) -> Signed | None:
     """The evidence waiting: the remote's (fetched now) for a remote run, else this
     machine's own inbox ref."""
@@ -78,9 +77,7 @@ def read_inbox(
         ) from exc
 
 
-def clear_inbox(
-    repo: pygit2.Repository, run_id: str, kind: str, site: RemoteSite | None = None
-) -> None:
+def clear_inbox(repo: Repository, run_id: str, kind: str, site: RemoteSite | None = None) -> None:
     """Remove the evidence :func:`read_inbox` returned (the remote's, else the local)."""
     if site is not None and site.take_evidence(run_id, kind):
         return

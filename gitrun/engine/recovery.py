@@ -20,9 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import pygit2
-
 from gitrun.adapter import exec_step, shell
+from gitrun.adapter.gittypes import Commit, Oid, Repository, commit_at, oid, tree_at
 from gitrun.core.codec import encode
 from gitrun.core.errors import EnvironmentDrift, GateRejected, GitrunError, ReceiptDrift
 from gitrun.core.exec_policy import REVIEW
@@ -75,7 +74,7 @@ def reconcile(rt: Runtime, *, apply: bool = True, dirty_ok: bool = False) -> str
     _require_branch(rt)
     env.check_head_on_branch()
     tip = env.head()
-    checkpointed = pygit2.Oid(hex=s.env.head)
+    checkpointed = oid(s.env.head)
     explained = _explained(rt)
     if not _holds(env.repo, tip.id, checkpointed) or not _holds(env.repo, tip.id, explained):
         # Moved backwards or sideways: name that, not the receipts it made unreachable.
@@ -123,29 +122,29 @@ def record_takeover(rt: Runtime) -> None:
     )
 
 
-def _holds(repo: pygit2.Repository, tip: pygit2.Oid, commit: pygit2.Oid) -> bool:
+def _holds(repo: Repository, tip: Oid, commit: Oid) -> bool:
     return tip == commit or repo.descendant_of(tip, commit)
 
 
-def _explained(rt: Runtime) -> pygit2.Oid:
+def _explained(rt: Runtime) -> Oid:
     """The last commit the checkpoint accounts for: its HEAD, or the pending intent's write
     made on it. A step's receipt rides in the run's next checkpoint, so a stopped run's
     branch is normally one write ahead; drift is named from that write (its receipt index
     says it was made: a branch without it was moved back or rewritten)."""
     s = rt.state
-    head = pygit2.Oid(hex=s.env.head)
+    head = oid(s.env.head)
     if s.pending is None:
         return head
-    oid = gitstore.read_ref(rt.env.repo, receipts.index_ref(s.run_id, s.pending.key))
-    commit = rt.env.repo.get(oid) if oid is not None else None
-    if not isinstance(commit, pygit2.Commit) or list(commit.parent_ids) != [head]:
+    indexed = gitstore.read_ref(rt.env.repo, receipts.index_ref(s.run_id, s.pending.key))
+    commit = commit_at(rt.env.repo, indexed) if indexed is not None else None
+    if commit is None or list(commit.parent_ids) != [head]:
         return head
     receipt = rt.env.receipt_of(commit)
     return commit.id if receipt is not None and receipt.key == s.pending.key else head
 
 
 def _reconcile_write(
-    rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool, dirty_ok: bool = False
+    rt: Runtime, tip: Commit, skip: list[str], *, apply: bool, dirty_ok: bool = False
 ) -> str:
     """Window 3: the branch moved by exactly the pending write; take its receipt in
     (``conflict`` opens a review; ``apply=False`` only checks)."""
@@ -180,7 +179,7 @@ def _reconcile_write(
 
 
 def _at_checkpointed_head(
-    rt: Runtime, tip: pygit2.Commit, skip: list[str], *, apply: bool, dirty_ok: bool = False
+    rt: Runtime, tip: Commit, skip: list[str], *, apply: bool, dirty_ok: bool = False
 ) -> str:
     """The branch is where the checkpoint left it: windows 1 and 2."""
     s = rt.state
@@ -201,7 +200,7 @@ def _at_checkpointed_head(
     return "intent-without-write"
 
 
-def _exec_interrupted(rt: Runtime, tip: pygit2.Commit, *, apply: bool) -> str:
+def _exec_interrupted(rt: Runtime, tip: Commit, *, apply: bool) -> str:
     """A pending exec without a receipt: whatever the worktree holds beyond HEAD are the
     command's unproven partial effects. Put the worktree back to the precondition tree
     (the discarded paths named in the trace), then run once more under the same key —
@@ -236,9 +235,9 @@ def _own_leftovers(rt: Runtime, *, apply: bool) -> list[str]:
     s = rt.state
     paths: set[str] = set(s.receipts.last.paths) if s.receipts.last is not None else set()
     if s.pending is not None:
-        tree = rt.env.repo.get(s.pending.precondition.tree)
+        tree = tree_at(rt.env.repo, s.pending.precondition.tree)
         try:
-            if isinstance(tree, pygit2.Tree):
+            if tree is not None:
                 paths |= set(rt.env.plan_changes(s.pending.action, tree, write=False))
         except GateRejected:
             pass  # the action will be abandoned; it wrote nothing
@@ -276,7 +275,7 @@ def _require_exact(rt: Runtime, s: RunState, skip: list[str]) -> None:
         )
 
 
-def _is_pending_write(rt: Runtime, tip: pygit2.Commit) -> bool:
+def _is_pending_write(rt: Runtime, tip: Commit) -> bool:
     """True when ``tip`` is exactly the one commit the pending intent produces."""
     p = rt.state.pending
     if p is None or len(tip.parents) != 1 or str(tip.parents[0].id) != rt.state.env.head:
@@ -305,9 +304,7 @@ def _is_pending_write(rt: Runtime, tip: pygit2.Commit) -> bool:
     return True
 
 
-def _classify_drift(
-    repo: pygit2.Repository, expected: pygit2.Oid, tip: pygit2.Oid
-) -> EnvironmentDrift:
+def _classify_drift(repo: Repository, expected: Oid, tip: Oid) -> EnvironmentDrift:
     if repo.descendant_of(expected, tip):
         return EnvironmentDrift(
             "head-moved-backwards", f"the branch went back from {expected} to {tip}"

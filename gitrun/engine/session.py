@@ -15,10 +15,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import pygit2
-
 from gitrun.adapter import exec_step, shell
 from gitrun.adapter.gate import normalise_path
+from gitrun.adapter.gittypes import Repository, Tree, commit_at, first_parent, tree_at
 from gitrun.adapter.sandbox import CommandCannotStart
 from gitrun.core.codec import encode
 from gitrun.core.errors import AgentGone, Exit, Frozen, GateRejected, GitrunError, LeaseLost
@@ -235,23 +234,23 @@ class Session:
     def _recent(self) -> list[dict[str, Any]]:
         """The newest receipts, newest first, read from the branch (bounded)."""
         out: list[dict[str, Any]] = []
-        commit = self.rt.env.repo.get(self.rt.state.env.head)
-        while isinstance(commit, pygit2.Commit) and len(out) < MAX_RECENT_RECEIPTS:
+        commit = commit_at(self.rt.env.repo, self.rt.state.env.head)
+        while commit is not None and len(out) < MAX_RECENT_RECEIPTS:
             receipt = self.rt.env.receipt_of(commit)
             if receipt is None:
                 break
             out.append(receipt_json(receipt))
-            commit = commit.parents[0] if commit.parents else None
+            commit = first_parent(commit)
         return out
 
-    def _tree(self) -> pygit2.Tree:
-        tree = self.rt.env.repo.get(self.rt.state.env.tree)
-        if not isinstance(tree, pygit2.Tree):
+    def _tree(self) -> Tree:
+        tree = tree_at(self.rt.env.repo, self.rt.state.env.tree)
+        if tree is None:
             raise GitrunError(f"the run's tree {self.rt.state.env.tree} is missing")
         return tree
 
     def _reader(
-        self, fn: Callable[[pygit2.Repository, pygit2.Tree, dict[str, Any]], dict[str, Any]]
+        self, fn: Callable[[Repository, Tree, dict[str, Any]], dict[str, Any]]
     ) -> Callable[[dict[str, Any]], dict[str, Any]]:
         def read(params: dict[str, Any]) -> dict[str, Any]:
             return {"commit": self.rt.state.env.head, **fn(self.rt.env.repo, self._tree(), params)}

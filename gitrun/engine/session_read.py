@@ -14,9 +14,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import pygit2
-
 from gitrun.adapter.gate import glob_match, normalise_path
+from gitrun.adapter.gittypes import Blob, Object, Repository, Tree, as_blob, tree_at
 from gitrun.core.errors import GateRejected
 from gitrun.engine.jsonrpc import INVALID_PARAMS, RpcError
 from gitrun.store import trees
@@ -33,7 +32,7 @@ Json = dict[str, Any]
 _KIND = {trees.BLOB: "file", trees.EXEC: "executable", trees.LINK: "symlink", trees.TREE: "dir"}
 
 
-def _blob_at(repo: pygit2.Repository, tree: pygit2.Tree, raw: str) -> tuple[str, pygit2.Blob]:
+def _blob_at(repo: Repository, tree: Tree, raw: str) -> tuple[str, Blob]:
     """The normalised path and its blob; refused through a symlink, for a dir or a gap."""
     path = normalise_path(raw)
     parts = path.split("/")
@@ -44,13 +43,13 @@ def _blob_at(repo: pygit2.Repository, tree: pygit2.Tree, raw: str) -> tuple[str,
             raise GateRejected("path-symlink", f"{path} goes through the symlink {prefix}")
         if mode is None:
             raise GateRejected("missing-path", f"{path} does not exist at HEAD")
-    obj = trees.entry(tree, path)
-    if trees.entry_mode(tree, path) == trees.TREE or not isinstance(obj, pygit2.Blob):
+    blob = as_blob(trees.entry(tree, path))
+    if trees.entry_mode(tree, path) == trees.TREE or blob is None:
         raise GateRejected("path-is-directory", f"{path} is a directory; use list_files")
-    return path, obj
+    return path, blob
 
 
-def read_file(repo: pygit2.Repository, tree: pygit2.Tree, params: Params) -> Json:
+def read_file(repo: Repository, tree: Tree, params: Params) -> Json:
     """A file's text (or base64 when it is not UTF-8), optionally a 1-based line range."""
     path, blob = _blob_at(repo, tree, params["path"])
     data = bytes(blob.data)
@@ -89,16 +88,16 @@ def _line_no(params: dict[str, Any], name: str, default: int) -> int:
     return value
 
 
-Entry = tuple[str, int, pygit2.Object]
+Entry = tuple[str, int, Object]
 
 
-def walk(repo: pygit2.Repository, tree: pygit2.Tree, prefix: str = "") -> Iterator[Entry]:
+def walk(repo: Repository, tree: Tree, prefix: str = "") -> Iterator[Entry]:
     """Every non-directory entry of ``tree``, sorted by path; symlinks are not followed."""
     for item in tree:
         path = f"{prefix}{item.name}"
         if item.filemode == trees.TREE:
-            sub = repo[item.id]
-            if isinstance(sub, pygit2.Tree):
+            sub = tree_at(repo, item.id)
+            if sub is not None:
                 yield from walk(repo, sub, path + "/")
             continue
         yield path, item.filemode, item
@@ -111,7 +110,7 @@ def _glob(params: dict[str, Any]) -> str | None:
     return value
 
 
-def list_files(repo: pygit2.Repository, tree: pygit2.Tree, params: Params) -> Json:
+def list_files(repo: Repository, tree: Tree, params: Params) -> Json:
     """Every file of HEAD (matching ``glob``: ``*`` within a directory, ``**`` across)."""
     pattern = _glob(params)
     files: list[dict[str, Any]] = []
@@ -121,12 +120,13 @@ def list_files(repo: pygit2.Repository, tree: pygit2.Tree, params: Params) -> Js
             continue
         total += 1
         if len(files) < MAX_LIST_ENTRIES:
-            size = obj.size if isinstance(obj, pygit2.Blob) else 0
+            blob = as_blob(obj)
+            size = 0 if blob is None else blob.size
             files.append({"path": path, "kind": _KIND.get(mode, "submodule"), "size": size})
     return {"files": files, "total": total, "truncated": total > len(files)}
 
 
-def search(repo: pygit2.Repository, tree: pygit2.Tree, params: Params) -> Json:
+def search(repo: Repository, tree: Tree, params: Params) -> Json:
     """Lines of HEAD's text files holding ``pattern`` (a literal, or a Python regex)."""
     pattern, regex = params.get("pattern"), params.get("regex", False)
     if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN:
@@ -141,15 +141,16 @@ def search(repo: pygit2.Repository, tree: pygit2.Tree, params: Params) -> Json:
     matches: list[dict[str, Any]] = []
     truncated, budget = False, MAX_SEARCH_BYTES
     for path, mode, obj in walk(repo, tree):
-        if mode not in (trees.BLOB, trees.EXEC) or not isinstance(obj, pygit2.Blob):
+        blob = as_blob(obj)
+        if mode not in (trees.BLOB, trees.EXEC) or blob is None:
             continue
-        if (glob is not None and not glob_match(path, glob)) or obj.is_binary:
+        if (glob is not None and not glob_match(path, glob)) or blob.is_binary:
             continue
-        budget -= obj.size
+        budget -= blob.size
         if budget < 0:
             truncated = True
             break
-        text = bytes(obj.data).decode("utf-8", "replace")
+        text = bytes(blob.data).decode("utf-8", "replace")
         for n, line in enumerate(text.splitlines(), start=1):
             if rx.search(line):
                 if len(matches) == MAX_MATCHES:

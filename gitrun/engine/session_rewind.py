@@ -10,8 +10,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-import pygit2
-
+from gitrun.adapter.gittypes import Commit, commit_at, first_parent
 from gitrun.core.errors import BadInput
 from gitrun.core.records import REWIND, Action
 
@@ -22,20 +21,20 @@ MIN_PREFIX = 7
 _HEX = re.compile(r"[0-9a-f]{7,40}\Z")
 
 
-def run_commits(rt: Runtime) -> list[pygit2.Commit]:
+def run_commits(rt: Runtime) -> list[Commit]:
     """HEAD back along first parents to the base commit (inclusive), newest first."""
-    out: list[pygit2.Commit] = []
-    commit = rt.env.repo.get(rt.state.env.head)
+    out: list[Commit] = []
+    commit = commit_at(rt.env.repo, rt.state.env.head)
     base = rt.state.env.base_commit
-    while isinstance(commit, pygit2.Commit):
+    while commit is not None:
         out.append(commit)
-        if str(commit.id) == base or not commit.parents:
+        if str(commit.id) == base:
             break
-        commit = commit.parents[0]
+        commit = first_parent(commit)
     return out
 
 
-def target_commit(rt: Runtime, to: str | int) -> pygit2.Commit:
+def target_commit(rt: Runtime, to: str | int) -> Commit:
     """The commit ``to`` names: a generation number, or a receipt commit (unique prefix)."""
     if isinstance(to, int):
         return _at_generation(rt, to)
@@ -53,13 +52,13 @@ def target_commit(rt: Runtime, to: str | int) -> pygit2.Commit:
     return found[0]
 
 
-def _at_generation(rt: Runtime, generation: int) -> pygit2.Commit:
+def _at_generation(rt: Runtime, generation: int) -> Commit:
     if generation < 1 or generation > rt.state.generation:
         raise BadInput(f"rewind: generation {generation} is not in 1..{rt.state.generation}")
     for stored in rt.store.chain(rt.ref):
         if stored.state.generation == generation:
-            commit = rt.env.repo.get(stored.state.env.head)
-            if isinstance(commit, pygit2.Commit):
+            commit = commit_at(rt.env.repo, stored.state.env.head)
+            if commit is not None:
                 return commit
     raise BadInput(f"rewind: the checkpoint chain has no generation {generation}")
 

@@ -1,15 +1,15 @@
 """A read-only git reader in pure Python, for what ``gitrun status`` reads (issue #15).
 
-Loose refs, ``packed-refs``, loose objects and packed ones (:mod:`gitrun.store.gitpack`):
-enough for a run's refs, checkpoint, lease and write commits without loading pygit2
-(~80 ms of a fresh process). Every object's content is hashed and compared with the id
-asked for. It answers only what it can answer exactly as libgit2 would, and raises
-:class:`Unsupported` for anything else, upon which the caller asks pygit2 instead: an
-object in no pack and not loose (missing, or behind ``objects/info/alternates``), a
-symbolic or malformed ref, a symlink anywhere under the git dir on the way to a ref or
-object, an unusual repository layout (a linked worktree, ``extensions``, config
-includes), an object whose content does not hash to its id, a commit with an encoding
-header or a NUL in its message.
+Loose refs, ``packed-refs``, loose objects and packed ones (:mod:`gitrun.store.gitpack`,
+whose pack format dulwich parses): enough for a run's refs, checkpoint, lease and write
+commits without loading pygit2 (~80 ms of a fresh process). Every object's content is
+hashed and compared with the id asked for. It answers only what it can answer exactly
+as libgit2 would, and raises :class:`Unsupported` for anything else, upon which the
+caller asks pygit2 instead: an object in no pack and not loose (missing, or behind
+``objects/info/alternates``), a symbolic or malformed ref, a symlink anywhere under the
+git dir on the way to a ref or object, an unusual repository layout (a linked worktree,
+``extensions``, config includes), an object whose content does not hash to its id, a
+commit with an encoding header or a NUL in its message.
 
 Every file is opened relative to the git dir, one path component at a time, with
 ``O_NOFOLLOW`` (a planted symlink cannot lead the reader out of the git dir) and
