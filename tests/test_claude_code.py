@@ -129,6 +129,8 @@ def test_scripted_bash_write_and_edit_calls_end_as_receipts_in_order(
     assert not (repo / "notes.txt").exists()
     verify = gitrun(ws, "checkpoint", "verify", "s1")
     assert verify.returncode == 0, verify.stderr
+    # The hooks were answered by the session's resident helper (only it leaves the stamp).
+    assert (repo / ".git" / "worktrees" / "gitrun-s1" / "gitrun-scan-cache.json.stamp").exists()
 
 
 def test_a_change_made_outside_any_call_is_its_own_step(

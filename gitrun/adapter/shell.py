@@ -448,6 +448,8 @@ def scan(
     ``cache`` spares reading a file whose stat is unchanged since it was hashed
     (:mod:`gitrun.adapter.scancache`); it is only ever told what was read here.
     """
+    if cache is not None and cache.unchanged(str(tree.id)):
+        return {}  # a resident process's watch saw nothing since the worktree was ``tree``
     before = tree_entries(tree) if cache is None else cache.entries_of(tree, tree_entries)
     now = walk(
         worktree, before, lambda oid: blob_size(repo, oid),
@@ -473,6 +475,8 @@ def scan(
                 cache.remember(path, seen.st, stored)
         else:
             changes[path] = (seen.mode, None)
+    if cache is not None and not changes:
+        cache.clean_at(str(tree.id))
     return changes
 
 

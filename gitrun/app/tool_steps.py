@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from gitrun.adapter import shell
 from gitrun.adapter.exec_step import Streams, ToolContext, checked_change, tree_at
+from gitrun.adapter.fswatch import DirWatch
 from gitrun.adapter.gate import normalise_path
 from gitrun.adapter.scancache import ScanCache
 from gitrun.app.opening import Options, lease_store, load_verified, open_run
@@ -236,11 +237,42 @@ class ToolRun:
         return receipt
 
 
+def scan_cache_path(rt: Runtime) -> Path:
+    return Path(rt.env.wt.path) / SCAN_CACHE_FILE
+
+
+@dataclass
+class Resident:
+    """What a long-lived hook helper keeps between calls: the worktree's scan cache in
+    memory, with a watch that spares the walk when nothing changed (adapter/fswatch.py)."""
+
+    cache: ScanCache | None = None
+
+    def cache_for(self, rt: Runtime) -> ScanCache:
+        if self.cache is None:
+            cache = ScanCache.load(scan_cache_path(rt))
+            cache.watch = DirWatch.start(rt.env.worktree)
+            self.cache = cache
+        return self.cache
+
+    def forget(self) -> None:
+        """Drop what is kept (after a call that failed in a way not foreseen)."""
+        self.close()
+        self.cache = None
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.save()
+            if isinstance(self.cache.watch, DirWatch):
+                self.cache.watch.close()
+
+
 @contextmanager
-def opened_run(run_id: str, opts: Options) -> Iterator[ToolRun]:
+def opened_run(run_id: str, opts: Options, warm: Resident | None = None) -> Iterator[ToolRun]:
     """The run under its lease, reconciled (a pending step finished once, its files left
     as they are: they are the next step's); on the way out the receipt that rides is
-    checkpointed and the lease let go."""
+    checkpointed and the lease let go. ``warm``: a resident process's scan cache and
+    watch, kept between calls (else the worktree's cache file is read and written)."""
     from gitrun.app.service import build_runtime
     from gitrun.engine.agents import load_agent
 
@@ -259,12 +291,15 @@ def opened_run(run_id: str, opts: Options) -> Iterator[ToolRun]:
         rt = build_runtime(opened, ref, stored, lease, agent, opts)
         if rt.state.phase not in TERMINAL and rt.state.phase != NEEDS_REVIEW:
             reconcile(rt, dirty_ok=True)
-        cache = ScanCache.load(Path(rt.env.wt.path) / SCAN_CACHE_FILE)
+        cache = warm.cache_for(rt) if warm is not None else ScanCache.load(scan_cache_path(rt))
         rt.tool = ToolContext(rt.gate, None, cache)
         if rt.state.phase == RUNNING and rt.state.pending is not None:
             rt.execute_pending()  # a pending step a killed hook left: recorded once, its key
         yield ToolRun(rt, agent, cache)
-        cache.save()
+        if warm is None:
+            cache.save()
+        else:
+            cache.settle()
         rt.pause()  # the receipt riding becomes the checkpoint
     finally:
         lease.release()

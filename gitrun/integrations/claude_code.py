@@ -90,10 +90,15 @@ def settings_path(opts: Options, run_id: str) -> Path:
     return opts.workspace.root / "claude" / f"{run_id}.settings.json"
 
 
-def hook_command(event: str, run_id: str, opts: Options, *, finish: bool = False) -> str:
-    """The shell line Claude Code runs for ``event``: this Python, this workspace."""
-    argv = [sys.executable, "-m", "gitrun", "hook", event, "--run", run_id,
-            "--workspace", str(opts.workspace.root)]  # fmt: skip
+def hook_command(
+    event: str, run_id: str, opts: Options, *, finish: bool = False, socket: Path | None = None
+) -> str:
+    """The shell line Claude Code runs for ``event``: this Python, this workspace; with a
+    resident helper's ``socket``, the small client that asks it (claude_hookclient.py)."""
+    head = [sys.executable, "-m", "gitrun", "hook"]
+    if socket is not None:
+        head = [sys.executable, "-I", "-S", str(CLIENT), str(socket)]
+    argv = [*head, event, "--run", run_id, "--workspace", str(opts.workspace.root)]
     if opts.workspace.key_file != opts.workspace.root / "keys" / "checkpoint.keyring":
         argv += ["--key-file", str(opts.workspace.key_file)]
     if finish:
@@ -101,14 +106,14 @@ def hook_command(event: str, run_id: str, opts: Options, *, finish: bool = False
     return shlex.join(argv)
 
 
-def settings(run_id: str, opts: Options, *, finish: bool) -> dict[str, Any]:
+def settings(
+    run_id: str, opts: Options, *, finish: bool, socket: Path | None = None
+) -> dict[str, Any]:
     """Claude Code settings installing gitrun's hooks for one run."""
 
     def hook(event: str, matcher: str | None = None) -> list[dict[str, Any]]:
-        entry: dict[str, Any] = {
-            "hooks": [{"type": "command", "command": hook_command(event, run_id, opts,
-                                                                  finish=finish)}]
-        }  # fmt: skip
+        line = hook_command(event, run_id, opts, finish=finish, socket=socket)
+        entry: dict[str, Any] = {"hooks": [{"type": "command", "command": line}]}
         if matcher is not None:
             entry["matcher"] = matcher
         return [entry]
@@ -129,6 +134,7 @@ class Started:
     worktree: Path
     settings: Path
     state: RunState
+    socket: Path | None = None  # where the session's resident helper is to listen
 
 
 def start(
@@ -138,8 +144,10 @@ def start(
     repo_path: Path | None,
     run_id: str | None,
     finish: bool = False,
+    socket: Path | None = None,
 ) -> Started:
-    """Make (or continue) the run Claude Code works on and write its settings file."""
+    """Make (or continue) the run Claude Code works on and write its settings file (its
+    hooks ask the helper at ``socket``; None: each hook does the work in-process)."""
     from gitrun.app import service
 
     ws = opts.workspace
@@ -158,9 +166,9 @@ def start(
         raise GateRejected("run-ended", f"run {rid} is {state.phase} ({state.stop_reason})")
     path = settings_path(opts, rid)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(settings(rid, opts, finish=finish), indent=2) + "\n"
+    text = json.dumps(settings(rid, opts, finish=finish, socket=socket), indent=2) + "\n"
     atomicfile.atomic_write(path, text.encode(), mode=0o600)
-    return Started(rid, Path(state.env.worktree), path, state)
+    return Started(rid, Path(state.env.worktree), path, state, socket)
 
 
 def refuse_other_inputs(
@@ -410,28 +418,45 @@ HANDLERS: dict[str, Callable[[tool_steps.ToolRun, dict[str, Any]], HookAnswer]] 
     "session-start": session_start,
 }
 EVENTS = (*HANDLERS, "stop", "finish")
+CLIENT = Path(__file__).with_name("claude_hookclient.py")  # the hook command with a helper
 
 
-def hook(event: str, run_id: str, opts: Options, raw: bytes, *, finish: bool) -> HookAnswer:
-    """One hook: the run opened under its lease, the event handled, the lease let go."""
+def hook(
+    event: str, run_id: str, opts: Options, raw: bytes, *, finish: bool,
+    warm: tool_steps.Resident | None = None,
+) -> HookAnswer:  # fmt: skip
+    """One hook: the run opened under its lease, the event handled, the lease let go
+    (``warm``: the scan cache a resident helper keeps between hooks)."""
     if event not in EVENTS:
         raise BadInput(f"unknown hook event {event!r}; one of {', '.join(EVENTS)}")
     payload = read_payload(raw) if event != "finish" else {}
-    with tool_steps.opened_run(run_id, opts) as run:
+    with tool_steps.opened_run(run_id, opts, warm) as run:
         if event in ("stop", "finish"):
             return stop(run, payload, finish=finish or event == "finish")
         return HANDLERS[event](run, payload)
 
 
 HOOK_USAGE = (
-    "usage: gitrun hook {pre-tool-use|post-tool-use|session-start|stop|finish} --run RUN "
-    "[--workspace DIR] [--key-file FILE] [--finish]  (Claude Code's hook JSON on stdin)"
+    "usage: gitrun hook {pre-tool-use|post-tool-use|session-start|stop|finish|serve} --run RUN "
+    "[--workspace DIR] [--key-file FILE] [--finish] [--socket PATH]  (Claude Code's hook JSON "
+    "on stdin)"
 )
 LEASE_WAIT_SECONDS = 60.0  # hooks of one session run one after another; a slow one is waited on
 
 
-def parse_hook_args(argv: list[str]) -> tuple[str, str, Path | None, Path | None, bool]:
-    """``EVENT --run RUN [--workspace DIR] [--key-file FILE] [--finish]``; BadInput else."""
+@dataclass(frozen=True)
+class HookArgs:
+    event: str
+    run_id: str
+    workspace: Path | None
+    key_file: Path | None
+    finish: bool
+    socket: Path | None = None  # serve: where the resident helper listens
+
+
+def parse_hook_args(argv: list[str]) -> HookArgs:
+    """``EVENT --run RUN [--workspace DIR] [--key-file FILE] [--finish] [--socket PATH]``;
+    BadInput else."""
     if not argv or argv[0].startswith("-"):
         raise BadInput(HOOK_USAGE)
     event, rest = argv[0], argv[1:]
@@ -443,17 +468,16 @@ def parse_hook_args(argv: list[str]) -> tuple[str, str, Path | None, Path | None
         if arg == "--finish":
             finish = True
             i += 1
-        elif arg in ("--run", "--workspace", "--key-file") and i + 1 < len(rest):
+        elif arg in ("--run", "--workspace", "--key-file", "--socket") and i + 1 < len(rest):
             values[arg] = rest[i + 1]
             i += 2
         else:
             raise BadInput(f"gitrun hook: unexpected {arg!r}; {HOOK_USAGE}")
     if "--run" not in values:
         raise BadInput(f"gitrun hook: --run RUN is required; {HOOK_USAGE}")
-    ws = values.get("--workspace")
-    key = values.get("--key-file")
-    return (event, values["--run"], Path(ws) if ws else None,
-            Path(key) if key else None, finish)  # fmt: skip
+    ws, key, sock = values.get("--workspace"), values.get("--key-file"), values.get("--socket")
+    return HookArgs(event, values["--run"], Path(ws) if ws else None,
+                    Path(key) if key else None, finish, Path(sock) if sock else None)  # fmt: skip
 
 
 def _with_lease(fn: Callable[[], HookAnswer]) -> HookAnswer:
@@ -474,18 +498,34 @@ def _with_lease(fn: Callable[[], HookAnswer]) -> HookAnswer:
             delay = min(delay * 2, 0.2)
 
 
-def hook_main(argv: list[str]) -> int:
-    """``gitrun hook …``: one line on stderr for any refusal; a pre-tool-use hook that
+def answer(
+    event: str, run_id: str, opts: Options, raw: bytes, *, finish: bool,
+    warm: tool_steps.Resident | None = None,
+) -> HookAnswer:  # fmt: skip
+    """A hook's answer, a refusal included: one line on stderr; a pre-tool-use hook that
     cannot decide blocks the call (exit 2), never lets it through unrecorded."""
+    from gitrun.core.errors import Exit
+
+    try:
+        return _with_lease(lambda: hook(event, run_id, opts, raw, finish=finish, warm=warm))
+    except GitrunError as exc:
+        internal = "internal error: " if exc.exit_code == Exit.INTERNAL else ""
+        code = BLOCK if event == "pre-tool-use" else int(exc.exit_code)
+        return HookAnswer(code, stderr=f"gitrun: {internal}{exc}\n")
+
+
+def hook_main(argv: list[str]) -> int:
+    """``gitrun hook …`` in this process (``serve`` is claude_helper.serve_main's)."""
     from gitrun.app.opening import cli_options
     from gitrun.core.errors import Exit
 
     event = argv[0] if argv else ""
     try:
-        event, run_id, workspace, key_file, finish = parse_hook_args(argv)
-        opts = cli_options(workspace, key_file)
+        args = parse_hook_args(argv)
+        event = args.event
+        opts = cli_options(args.workspace, args.key_file)
         raw = sys.stdin.buffer.read(MAX_PAYLOAD + 1) if event != "finish" else b""
-        answer = _with_lease(lambda: hook(event, run_id, opts, raw, finish=finish))
+        said = answer(event, args.run_id, opts, raw, finish=args.finish)
     except GitrunError as exc:
         internal = "internal error: " if exc.exit_code == Exit.INTERNAL else ""
         sys.stderr.write(f"gitrun: {internal}{exc}\n")
@@ -495,8 +535,8 @@ def hook_main(argv: list[str]) -> int:
             raise
         sys.stderr.write(f"gitrun: internal error: {type(exc).__name__}: {exc}\n")
         return BLOCK if event == "pre-tool-use" else int(Exit.INTERNAL)
-    if answer.stdout:
-        sys.stdout.write(answer.stdout)
-    if answer.stderr:
-        sys.stderr.write(answer.stderr)
-    return answer.code
+    if said.stdout:
+        sys.stdout.write(said.stdout)
+    if said.stderr:
+        sys.stderr.write(said.stderr)
+    return said.code
