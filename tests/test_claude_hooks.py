@@ -313,6 +313,7 @@ def test_a_helper_killed_mid_call_leaves_nothing_half_recorded_and_the_hook_reco
                "main..gitrun/c1").split()  # fmt: skip
     assert keys == ["toolu_killed_1"]
     assert git(repo, "show", "gitrun/c1:new.txt") == "made by the call\n"
+    assert git(repo, "for-each-ref", "refs/gitrun/runs/c1/calls").strip() == ""  # not twice
 
 
 def test_a_socket_others_can_reach_is_never_spoken_to(
@@ -346,3 +347,20 @@ def test_the_helper_stops_and_removes_its_socket_when_its_parent_is_gone(
     while where.exists():
         assert time.monotonic() < deadline, "the helper outlived its parent"
         time.sleep(0.1)
+
+
+def test_a_call_that_changed_nothing_is_one_record_on_the_call_log_and_no_commit(
+    run: tuple[Path, Path, Path],
+) -> None:
+    ws, repo, _ = run
+    call(ws, "toolu_quiet_call")
+    again = hook(ws, "post-tool-use", "Bash", "toolu_quiet_call", {"command": "true"})
+    assert again.returncode == 0, again.stderr  # the same call reported twice: once
+    assert subjects(repo) == []  # nothing on the branch
+    fields = "%(trailers:key={},valueonly,separator=)"
+    shown = (
+        "%s|" + fields.format("Gitrun-Idempotency-Key") + "|" + fields.format("Gitrun-Exit-Status")
+    )
+    log = git(repo, "log", f"--format={shown}", "refs/gitrun/runs/c1/calls")
+    assert log.splitlines() == ["gitrun: Bash (no change)|toolu_quiet_call|0"]
+    assert git(repo, "fsck", "--strict", "--no-dangling").strip() == ""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gitrun.adapter import shell
+from gitrun.adapter import calllog, shell
 from gitrun.adapter.exec_step import Streams, ToolContext, checked_change, tree_at
 from gitrun.adapter.fswatch import DirWatch
 from gitrun.adapter.gate import normalise_path
@@ -174,19 +174,43 @@ class ToolRun:
 
     # -- recording -------------------------------------------------------------------------
 
-    def record(self, call: ToolCall, observed: Streams | None) -> Receipt:
+    def record(self, call: ToolCall, observed: Streams | None) -> Receipt | str:
         """The worktree's whole change since the last step as ONE step under the call's
-        key (a change the gate refuses: the worktree is put back and GateRejected)."""
+        key (a change the gate refuses: the worktree is put back and GateRejected); a
+        call that changed nothing is a record on the run's call log instead (its commit
+        id returned), never a commit on the branch. Either is made once per key."""
         streams = Streams(
             observed.stdout if observed else b"",
             observed.stderr if observed else b"",
             [*(observed.trailers if observed else []), *call.trailers()],
         )
+        found = self.rt.env.lookup(call.key)
+        if found is not None and found.intent_digest == call.action().intent_digest():
+            return found
+        logged = calllog.find(self.rt.env, call.key)
+        if logged is not None:
+            return logged
+        if self.running() and not self.changes():
+            return self._log_unchanged(call, streams)
         self.rt.tool = ToolContext(self.rt.gate, streams, self.cache)
         try:
             return self._step(call.action(), call.key)
         finally:
             self.rt.tool = ToolContext(self.rt.gate, None, self.cache)
+
+    def _log_unchanged(self, call: ToolCall, streams: Streams) -> str:
+        """The record of a call that changed nothing, on the call log (adapter/calllog.py)."""
+        action = call.action()
+        pairs = [
+            ("Gitrun-Action", TOOL),
+            ("Gitrun-Idempotency-Key", call.key),
+            ("Gitrun-Intent-Digest", action.intent_digest()),
+        ]
+        for line in streams.trailers:
+            name, _, value = line.partition(": ")
+            pairs.append((name, value))
+        subject = f"gitrun: {call.tool} (no change)"
+        return calllog.append(self.rt.env, subject, pairs, streams.stdout, streams.stderr)
 
     def _step(self, action: Action, key: str) -> Receipt:
         """One gated step under ``key`` (its receipt again when the key is recorded with
@@ -215,7 +239,7 @@ class ToolRun:
             raise rt.abandoned or GateRejected("refused", f"the step {key} was abandoned")
         return last
 
-    def sweep(self, current: str | None = None) -> Receipt | None:
+    def sweep(self, current: str | None = None) -> Receipt | str | None:
         """Record what the worktree holds beyond HEAD before anything else: the change of
         a call that was killed (under its noted key, once) or one no call made (an
         ``outside`` step). A change the rules refuse is not discarded here (it may be the

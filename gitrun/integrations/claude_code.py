@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 from collections.abc import Callable
@@ -123,6 +124,7 @@ def settings(
             "SessionStart": hook("session-start"),
             "PreToolUse": hook("pre-tool-use", MATCHER),
             "PostToolUse": hook("post-tool-use", MATCHER),
+            "PostToolUseFailure": hook("post-tool-use-failure", MATCHER),
             "Stop": hook("stop"),
         }
     }
@@ -214,11 +216,10 @@ def resume(run_id: str, opts: Options, task_dir: Path | None) -> None:
             return
         swept = run.sweep()
         phase = run.state.phase
-    left = (
-        f"recorded what its last session left ({swept.commit[:12]})"
-        if swept
-        else "nothing left unrecorded"
-    )
+    commit = swept if isinstance(swept, str) or swept is None else swept.commit
+    left = f"recorded what its last session left ({commit[:12]})" if commit else (
+        "nothing left unrecorded"
+    )  # fmt: skip
     raise AgentGone(
         f"run {run_id} is a Claude Code run ({phase}; {left}); gitrun does not start Claude "
         f"Code on resume: go on with `gitrun claude --run-id {run_id} -- --continue` "
@@ -345,17 +346,32 @@ def _refused(exc: GitrunError) -> HookAnswer:
     return HookAnswer(BLOCK, stderr=f"gitrun refused this call (rule {rule}): {said}\n")
 
 
+EXIT_CODE = re.compile(r"Exit code (\d{1,3})\n?")  # how 2.1.332 opens a failed Bash's error
+
+
 def _streams(call: tool_steps.ToolCall, payload: dict[str, Any]) -> Streams | None:
-    """Bash's output as the tool reported it (other tools: their result is the change)."""
+    """Bash's output and exit status as Claude Code reported them (other tools: their
+    result is the change). ``PostToolUse`` comes for a command that succeeded: stdout,
+    stderr, ``interrupted`` (no exit status: 0 unless interrupted); ``PostToolUseFailure``
+    for one that failed: ``error`` ("Exit code N" then stdout and stderr as ONE text) and
+    ``is_interrupt``."""
     if call.tool != SHELL_TOOL:
         return None
+    if payload.get("hook_event_name") == "PostToolUseFailure":
+        error = payload.get("error")
+        text = error if isinstance(error, str) else ""
+        found = EXIT_CODE.match(text)
+        trailers = [f"Gitrun-Exit-Status: {int(found.group(1))}"] if found else []
+        if payload.get("is_interrupt") is True:
+            trailers.append("Gitrun-Tool-Interrupted: true")
+        output = text[found.end() :] if found else text
+        return Streams(output.encode("utf-8", "replace"), b"", trailers)
     response = payload.get("tool_response")
     if not isinstance(response, dict):
         return None
     out, err = response.get("stdout", ""), response.get("stderr", "")
-    trailers = []
-    if response.get("interrupted") is True:
-        trailers.append("Gitrun-Tool-Interrupted: true")
+    interrupted = response.get("interrupted") is True
+    trailers = ["Gitrun-Tool-Interrupted: true"] if interrupted else ["Gitrun-Exit-Status: 0"]
     return Streams(
         out.encode("utf-8", "replace") if isinstance(out, str) else b"",
         err.encode("utf-8", "replace") if isinstance(err, str) else b"",
@@ -415,6 +431,7 @@ def stop(run: tool_steps.ToolRun, payload: dict[str, Any], *, finish: bool) -> H
 HANDLERS: dict[str, Callable[[tool_steps.ToolRun, dict[str, Any]], HookAnswer]] = {
     "pre-tool-use": pre_tool_use,
     "post-tool-use": post_tool_use,
+    "post-tool-use-failure": post_tool_use,  # a failed call's change: as a successful one's
     "session-start": session_start,
 }
 EVENTS = (*HANDLERS, "stop", "finish")
@@ -437,7 +454,8 @@ def hook(
 
 
 HOOK_USAGE = (
-    "usage: gitrun hook {pre-tool-use|post-tool-use|session-start|stop|finish|serve} --run RUN "
+    "usage: gitrun hook {pre-tool-use|post-tool-use|post-tool-use-failure|session-start|stop|"
+    "finish|serve} --run RUN "
     "[--workspace DIR] [--key-file FILE] [--finish] [--socket PATH]  (Claude Code's hook JSON "
     "on stdin)"
 )
