@@ -281,6 +281,16 @@ def test_the_resident_helper_answers_the_hooks_and_sees_every_change(
 
         asked_call(ws, sock, "toolu_nested_call", nested)
         asked_call(ws, sock, "toolu_inner_call", lambda: (wt / "d/e/f.txt").write_text("two\n"))
+
+        def other_dir() -> None:
+            (wt / "g").mkdir()
+            (wt / "g" / "h.txt").write_text("h\n")
+
+        asked_call(ws, sock, "toolu_other_dir", other_dir)
+        # Only files change from here: the helper looks in the directories they are in.
+        asked_call(ws, sock, "toolu_deep_edit", lambda: (wt / "d/e/f.txt").write_text("three\n"))
+        asked_call(ws, sock, "toolu_deep_delete", (wt / "g" / "h.txt").unlink)
+        asked_call(ws, sock, "toolu_deep_new", lambda: (wt / "d/e/n.txt").write_text("n\n"))
         (wt / "by-hand.txt").write_text("typed between calls\n")
         asked_call(ws, sock, "toolu_after_hand")
         refused = asked(ws, sock, "pre-tool-use", "Write", "toolu_outside_1",
@@ -290,10 +300,14 @@ def test_the_resident_helper_answers_the_hooks_and_sees_every_change(
     log = git(repo, "log", "--reverse", "--format=%s", "main..gitrun/c1").splitlines()
     assert [line for line in log if "(no change)" not in line] == [
         "gitrun: Bash a.txt", "gitrun: Bash a.txt", "gitrun: Bash d/e/f.txt",
-        "gitrun: Bash d/e/f.txt", "gitrun: outside by-hand.txt",
+        "gitrun: Bash d/e/f.txt", "gitrun: Bash g/h.txt", "gitrun: Bash d/e/f.txt",
+        "gitrun: Bash g/h.txt", "gitrun: Bash d/e/n.txt", "gitrun: outside by-hand.txt",
     ]  # fmt: skip
     assert git(repo, "show", "gitrun/c1:a.txt") == "cccc\n"
-    assert git(repo, "show", "gitrun/c1:d/e/f.txt") == "two\n"
+    assert git(repo, "ls-tree", "-r", "--name-only", "gitrun/c1").split() == [
+        "a.txt", "by-hand.txt", "d/e/f.txt", "d/e/n.txt",
+    ]  # fmt: skip
+    assert git(repo, "show", "gitrun/c1:d/e/f.txt") == "three\n"
 
 
 def test_a_helper_killed_mid_call_leaves_nothing_half_recorded_and_the_hook_records_it_once(

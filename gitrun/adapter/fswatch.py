@@ -60,6 +60,7 @@ class DirWatch:
         self._broken = False
         self._reshape = True  # set the watches up at the first look
         self._asked = 0
+        self._paths: dict[int, str] = {}  # watch descriptor -> directory (relative)
 
     @classmethod
     def start(cls, root: Path) -> DirWatch | None:
@@ -74,7 +75,7 @@ class DirWatch:
         if fd < 0:
             return None
         watch = cls(root, fd, libc)
-        watch.changed()  # watches set up now: what happens from here on is seen
+        watch.changes()  # watches set up now: what happens from here on is seen
         return watch
 
     def close(self) -> None:
@@ -85,13 +86,17 @@ class DirWatch:
 
     def _add(self, path: str) -> None:
         wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), MASK)
-        if wd < 0 and ctypes.get_errno() not in (errno.ENOENT, errno.ENOTDIR):
+        if wd >= 0:
+            rel = os.path.relpath(path, self.root)
+            self._paths[wd] = "" if rel == "." else rel.replace(os.sep, "/")
+        elif ctypes.get_errno() not in (errno.ENOENT, errno.ENOTDIR):
             self._broken = True  # ENOSPC (max_user_watches), EACCES ...: never trusted
 
     def _watch_all(self) -> None:
         """A watch on every directory (set again: inotify returns the same watch for a
         directory it already has)."""
         self._broken = False
+        self._paths = {}
         todo = [str(self.root)]
         while todo:
             here = todo.pop()
@@ -107,13 +112,16 @@ class DirWatch:
                     if stat.S_ISDIR(entry.stat(follow_symlinks=False).st_mode):
                         todo.append(entry.path)
 
-    def changed(self) -> bool:
-        """True when something may have changed under the root since the last call (the
-        queue is drained; watches are set up again when directories came or went)."""
+    def changes(self) -> frozenset[str] | None:
+        """The directories (relative, ``""`` the root) in which a file may have changed
+        since the last call — empty: nothing happened — or None when that is not known:
+        a directory came, went or moved, the queue overflowed, a watch is missing, or
+        it is time for a walk that does not trust the watch (module docstring). The
+        queue is drained; watches are set up again when directories came or went."""
         if self.fd < 0:
-            return True
-        seen = self._reshape
-        reshape = self._reshape
+            return None
+        dirs: set[str] = set()
+        unknown = reshape = self._reshape
         while True:
             try:
                 data = os.read(self.fd, 1 << 16)
@@ -121,20 +129,23 @@ class DirWatch:
                 break
             except OSError:
                 self.close()
-                return True
+                return None
             if not data:
                 break
-            seen = True
             offset = 0
             while offset + _EVENT.size <= len(data):
-                _, mask, _, length = _EVENT.unpack_from(data, offset)
+                wd, mask, _, length = _EVENT.unpack_from(data, offset)
                 offset += _EVENT.size + length
-                if mask & RESHAPE or (mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO)):
-                    reshape = True
+                where = self._paths.get(wd)
+                if mask & (RESHAPE | IN_ISDIR) or where is None:
+                    unknown = True
+                    reshape = reshape or bool(mask & (RESHAPE | IN_CREATE | IN_MOVED_TO))
+                else:
+                    dirs.add(where)
         if reshape:
             self._watch_all()
             self._reshape = self._broken  # a watch missing: try again at the next look
         self._asked += 1
         if self._asked % FULL_SCAN_EVERY == 0:
-            seen = True  # now and then a full walk: what inotify cannot see (module doc)
-        return seen or self._broken
+            unknown = True  # now and then a full walk: what inotify cannot see (module doc)
+        return None if unknown or self._broken else frozenset(dirs)

@@ -38,10 +38,10 @@ def _key(st: os.stat_result) -> str:
 
 
 class Watch(Protocol):
-    """What knows whether the worktree may have changed (:mod:`gitrun.adapter.fswatch`)."""
+    """What knows where the worktree may have changed (:mod:`gitrun.adapter.fswatch`)."""
 
-    def changed(self) -> bool:
-        """True when anything may have changed since the last call."""
+    def changes(self) -> frozenset[str] | None:
+        """The directories that may have changed since the last call; None: unknown."""
         ...
 
 
@@ -59,8 +59,9 @@ class ScanCache:
         self._trusted_before = 0
         self._tree = ""
         self._entries: dict[str, TreeEntry] = {}
-        self.watch: Watch | None = None  # a resident process's: see unchanged()
-        self._clean = ""  # the tree the worktree was found equal to, unchanged since (watch)
+        self.watch: Watch | None = None  # a resident process's: see since()
+        self._base = ""  # the tree the worktree was found equal to (with a watch) ...
+        self._dirty: set[str] = set()  # ... but in files of these directories, maybe
 
     @classmethod
     def load(cls, path: Path) -> ScanCache:
@@ -92,21 +93,24 @@ class ScanCache:
             cache._trusted_before = st.st_mtime_ns
         return cache
 
-    def unchanged(self, tree: str) -> bool:
-        """True when the worktree is known to hold exactly ``tree``: a walk (or a commit of
-        what a walk found) left it so and the watch has seen nothing since. Without a
-        watch, never (every scan walks)."""
+    def since(self, tree: str) -> frozenset[str] | None:
+        """The directories in which the worktree may differ from ``tree`` (empty: it is
+        exactly ``tree``), when a walk (or the commit of what a walk found) left it equal
+        to ``tree`` and the watch has seen only file events since; else None (walk all).
+        Without a watch, always None."""
         if self.watch is None:
-            return False
-        if self.watch.changed():
-            self._clean = ""
-            return False
-        return self._clean == tree
+            return None
+        dirs = self.watch.changes()
+        if dirs is None:
+            self._base = ""
+            return None
+        self._dirty |= dirs
+        return frozenset(self._dirty) if self._base == tree else None
 
     def clean_at(self, tree: str) -> None:
         """The walk that just ran found the worktree equal to ``tree``."""
         if self.watch is not None:
-            self._clean = tree
+            self._base, self._dirty = tree, set()
 
     def lookup(self, path: str, st: os.stat_result) -> Entry | None:
         """The entry of the regular file ``path`` if its stat is unchanged since hashed."""
@@ -151,7 +155,8 @@ class ScanCache:
         load would); the file is not written (:meth:`save` does, now and then)."""
         if not self._seen:
             return  # no walk: what is known holds
-        self._known, self._seen = self._seen, {}
+        self._known.update(self._seen)  # a walk of a few directories saw only their files
+        self._seen = {}
         stamp = self.path.with_name(self.path.name + ".stamp") if self.path else None
         if stamp is None:
             return
