@@ -253,6 +253,10 @@ def main(argv: list[str] | None = None) -> None:
         leave(guarded(lambda: _print(version_text())))
     if fast and args == ["--help"] and _width() >= FAST_HELP_MIN_WIDTH:
         leave(guarded(lambda: _print(help_text(), end="")))
+    if args[:2] == ["hook", "serve"]:  # a Claude Code session's resident helper
+        from gitrun.integrations.claude_helper import serve_main
+
+        sys.exit(serve_main(args[1:]))
     if args[:1] == ["hook"]:  # Claude Code runs one per tool call: no Typer on this path
         from gitrun.integrations.claude_code import hook_main
 

@@ -88,6 +88,19 @@ def receipts(repo: Path, run: str) -> list[dict[str, str]]:
     return found
 
 
+def calls(repo: Path, run: str) -> list[dict[str, str]]:
+    """The run's call log (calls that changed nothing), oldest first."""
+    out = git(repo, "log", "--reverse", "--format=%H%x00%s%x00%(trailers:unfold)%x01",
+              f"refs/gitrun/runs/{run}/calls", "--")  # fmt: skip
+    found = []
+    for record in out.split("\x01"):
+        if record.strip():
+            oid, subject, trailers = record.strip("\n").split("\x00")
+            fields = dict(line.split(": ", 1) for line in trailers.splitlines() if ": " in line)
+            found.append({"commit": oid, "subject": subject, **fields})
+    return found
+
+
 def worktree(ws: Path, run: str) -> Path:
     return ws / "worktrees" / run
 
@@ -110,18 +123,21 @@ def test_scripted_bash_write_and_edit_calls_end_as_receipts_in_order(
         ("Bash", "toolu_gitrun_0000"),
         ("Write", "toolu_gitrun_0001"),
         ("Edit", "toolu_gitrun_0003"),
-        ("Bash", "toolu_gitrun_0004"),
     ]
     assert [s["subject"] for s in steps] == [
         "gitrun: Bash notes.txt", "gitrun: Write new.py", "gitrun: Edit app.py",
-        "gitrun: Bash (no change)",
     ]  # fmt: skip
     assert all(s["Gitrun-Action"] == "tool" and s["Gitrun-Session"] for s in steps)
-    # The Bash call's output is kept with its receipt; the no-change call made no file change.
+    # The Bash call's output and exit status are kept with its receipt.
     assert git(repo, "show", steps[0]["Gitrun-Output"] + ":stdout") == "said-out"
-    assert git(repo, "rev-parse", steps[3]["commit"] + "^{tree}") == git(
-        repo, "rev-parse", steps[2]["commit"] + "^{tree}"
-    )
+    assert steps[0]["Gitrun-Exit-Status"] == "0"
+    # The call that changed nothing made no commit on the branch: a record on the call log.
+    [quiet] = calls(repo, "s1")
+    assert (quiet["subject"], quiet["Gitrun-Idempotency-Key"]) == (
+        "gitrun: Bash (no change)", "toolu_gitrun_0004",
+    )  # fmt: skip
+    assert quiet["Gitrun-Head"] == steps[2]["commit"]
+    assert quiet["Gitrun-Session"] == steps[0]["Gitrun-Session"]
     assert git(repo, "show", "gitrun/s1:app.py") == "print(2)\n"
     # The worktree is the last receipt; the user's checkout was never touched.
     assert git(wt, "status", "--porcelain") == ""
@@ -129,6 +145,8 @@ def test_scripted_bash_write_and_edit_calls_end_as_receipts_in_order(
     assert not (repo / "notes.txt").exists()
     verify = gitrun(ws, "checkpoint", "verify", "s1")
     assert verify.returncode == 0, verify.stderr
+    # The hooks were answered by the session's resident helper (only it leaves the stamp).
+    assert (repo / ".git" / "worktrees" / "gitrun-s1" / "gitrun-scan-cache.json.stamp").exists()
 
 
 def test_a_change_made_outside_any_call_is_its_own_step(
@@ -337,9 +355,8 @@ def test_the_model_can_rewind_through_its_shell_and_the_rewind_is_one_more_step(
     assert done.returncode == 0, done.stderr
     assert "rewind committed as" in script.results()[1]
     steps = receipts(repo, "r2")
-    assert [s["subject"] for s in steps] == [
-        "gitrun: Bash app.py", "gitrun: rewind app.py", "gitrun: Bash (no change)",
-    ]  # fmt: skip
+    assert [s["subject"] for s in steps] == ["gitrun: Bash app.py", "gitrun: rewind app.py"]
+    assert [c["subject"] for c in calls(repo, "r2")] == ["gitrun: Bash (no change)"]
     assert (worktree(ws, "r2") / "app.py").read_text() == "print(1)\n"
 
 
@@ -475,7 +492,7 @@ def test_a_failing_bash_calls_change_is_recorded_under_its_own_key(
 ) -> None:
     wt = worktree(ws, "f1")
     script = Script([
-        ("Bash", {"command": "echo half > f.txt; exit 3", "description": "d"}),
+        ("Bash", {"command": "echo half > f.txt; echo said; exit 3", "description": "d"}),
         ("Write", {"file_path": f"{wt}/g.txt", "content": "g\n"}),
     ])  # fmt: skip
     done = session(claude_bin, ws, tmp_path, ["--repo", str(repo), "--run-id", "f1"], script)
@@ -485,3 +502,6 @@ def test_a_failing_bash_calls_change_is_recorded_under_its_own_key(
         ("toolu_gitrun_0000", "gitrun: Bash f.txt"),
         ("toolu_gitrun_0001", "gitrun: Write g.txt"),
     ]
+    # Claude Code reports a failed Bash call by PostToolUseFailure: exit status and output.
+    assert steps[0]["Gitrun-Exit-Status"] == "3"
+    assert git(repo, "show", steps[0]["Gitrun-Output"] + ":stdout") == "said"

@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from conftest import git
+
+from gitrun.app.opening import cli_options
+from gitrun.integrations.claude_code import hook_command
 
 GITRUN = [sys.executable, "-m", "gitrun"]
 
@@ -198,3 +206,175 @@ def test_rm_refuses_a_takeover_time_that_is_not_a_number_of_seconds(
     assert refused.returncode == 2
     assert b"inf is not a finite number of seconds" in refused.stderr
     assert git(repo, "rev-parse", "--verify", "-q", "gitrun/c1").strip()
+
+
+@contextmanager
+def helper(
+    ws: Path, tmp_path: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    """The run's resident helper (``gitrun hook serve``), as ``gitrun claude`` forks it."""
+    where = tmp_path / "sock"
+    where.mkdir(mode=0o700)
+    sock = where / "hook.sock"
+    argv = [*GITRUN, "hook", "serve", "--run", "c1", "--workspace", str(ws),
+            "--socket", str(sock)]  # fmt: skip
+    proc = subprocess.Popen(argv, env={**os.environ, "GITRUN_HOME": str(ws), **(env or {})},
+                            stdin=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None, "the helper exited"
+            assert time.monotonic() < deadline, "no helper socket"
+            time.sleep(0.05)
+        yield sock, proc
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def asked(
+    ws: Path, sock: Path, event: str, tool: str, key: str, tool_input: dict[str, object],
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[bytes]:  # fmt: skip
+    """One hook as Claude Code runs it in a ``gitrun claude`` session: the small client."""
+    name = {"pre-tool-use": "PreToolUse", "post-tool-use": "PostToolUse"}[event]
+    data = {"session_id": "s-1", "hook_event_name": name, "tool_name": tool,
+            "tool_input": tool_input, "tool_use_id": key,
+            "tool_response": {"stdout": "", "stderr": "", "interrupted": False}}  # fmt: skip
+    argv = shlex.split(hook_command(event, "c1", cli_options(ws, None), socket=sock))
+    return subprocess.run(argv, input=json.dumps(data).encode(), capture_output=True,
+                          env={**os.environ, **(env or {})}, timeout=120, check=False)  # fmt: skip
+
+
+# The in-process hook dies at its first commit under this: a hook that still records
+# was answered by the helper (started without it).
+NO_IN_PROCESS = {"GITRUN_CRASH_AT": "after_write_commit_object"}
+
+
+def asked_call(ws: Path, sock: Path, key: str, change: object = None) -> None:
+    pre = asked(ws, sock, "pre-tool-use", "Bash", key, {"command": "true"}, NO_IN_PROCESS)
+    assert pre.returncode == 0, pre.stderr
+    if callable(change):
+        change()
+    post = asked(ws, sock, "post-tool-use", "Bash", key, {"command": "true"}, NO_IN_PROCESS)
+    assert (post.returncode, post.stdout) == (0, b""), post.stderr
+
+
+def test_the_resident_helper_answers_the_hooks_and_sees_every_change(
+    run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    ws, repo, wt = run
+    with helper(ws, tmp_path) as (sock, _):
+        asked_call(ws, sock, "toolu_first_call", lambda: (wt / "a.txt").write_text("bbbb\n"))
+        asked_call(ws, sock, "toolu_quiet_call")
+        st = os.stat(wt / "a.txt")
+
+        def sneak() -> None:
+            (wt / "a.txt").write_text("cccc\n")  # same size, old mtime put back
+            os.utime(wt / "a.txt", ns=(st.st_atime_ns, st.st_mtime_ns))
+
+        asked_call(ws, sock, "toolu_sneaky_call", sneak)
+
+        def nested() -> None:
+            (wt / "d" / "e").mkdir(parents=True)
+            (wt / "d" / "e" / "f.txt").write_text("one\n")
+
+        asked_call(ws, sock, "toolu_nested_call", nested)
+        asked_call(ws, sock, "toolu_inner_call", lambda: (wt / "d/e/f.txt").write_text("two\n"))
+
+        def other_dir() -> None:
+            (wt / "g").mkdir()
+            (wt / "g" / "h.txt").write_text("h\n")
+
+        asked_call(ws, sock, "toolu_other_dir", other_dir)
+        # Only files change from here: the helper looks in the directories they are in.
+        asked_call(ws, sock, "toolu_deep_edit", lambda: (wt / "d/e/f.txt").write_text("three\n"))
+        asked_call(ws, sock, "toolu_deep_delete", (wt / "g" / "h.txt").unlink)
+        asked_call(ws, sock, "toolu_deep_new", lambda: (wt / "d/e/n.txt").write_text("n\n"))
+        (wt / "by-hand.txt").write_text("typed between calls\n")
+        asked_call(ws, sock, "toolu_after_hand")
+        refused = asked(ws, sock, "pre-tool-use", "Write", "toolu_outside_1",
+                        {"file_path": str(tmp_path / "x"), "content": "x"})  # fmt: skip
+        assert refused.returncode == 2
+        assert b"(rule path-escape)" in refused.stderr
+    log = git(repo, "log", "--reverse", "--format=%s", "main..gitrun/c1").splitlines()
+    assert [line for line in log if "(no change)" not in line] == [
+        "gitrun: Bash a.txt", "gitrun: Bash a.txt", "gitrun: Bash d/e/f.txt",
+        "gitrun: Bash d/e/f.txt", "gitrun: Bash g/h.txt", "gitrun: Bash d/e/f.txt",
+        "gitrun: Bash g/h.txt", "gitrun: Bash d/e/n.txt", "gitrun: outside by-hand.txt",
+    ]  # fmt: skip
+    assert git(repo, "show", "gitrun/c1:a.txt") == "cccc\n"
+    assert git(repo, "ls-tree", "-r", "--name-only", "gitrun/c1").split() == [
+        "a.txt", "by-hand.txt", "d/e/f.txt", "d/e/n.txt",
+    ]  # fmt: skip
+    assert git(repo, "show", "gitrun/c1:d/e/f.txt") == "three\n"
+
+
+def test_a_helper_killed_mid_call_leaves_nothing_half_recorded_and_the_hook_records_it_once(
+    run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    ws, repo, wt = run
+    with helper(ws, tmp_path, env=NO_IN_PROCESS) as (sock, proc):
+        pre = asked(ws, sock, "pre-tool-use", "Bash", "toolu_killed_1", {"command": "true"})
+        assert pre.returncode == 0, pre.stderr
+        (wt / "new.txt").write_text("made by the call\n")
+        post = asked(ws, sock, "post-tool-use", "Bash", "toolu_killed_1", {"command": "true"})
+        assert (post.returncode, post.stdout) == (0, b""), post.stderr
+        assert proc.wait(30) == -signal.SIGKILL  # the helper died at its commit
+        again = asked(ws, sock, "post-tool-use", "Bash", "toolu_killed_1", {"command": "true"})
+        assert again.returncode == 0, again.stderr  # no helper now: in-process, a replay
+    keys = git(repo, "log", "--format=%(trailers:key=Gitrun-Idempotency-Key,valueonly)",
+               "main..gitrun/c1").split()  # fmt: skip
+    assert keys == ["toolu_killed_1"]
+    assert git(repo, "show", "gitrun/c1:new.txt") == "made by the call\n"
+    assert git(repo, "for-each-ref", "refs/gitrun/runs/c1/calls").strip() == ""  # not twice
+
+
+def test_a_socket_others_can_reach_is_never_spoken_to(
+    run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    ws, repo, wt = run
+    with helper(ws, tmp_path) as (sock, _):
+        sock.parent.chmod(0o755)
+        pre = asked(ws, sock, "pre-tool-use", "Bash", "toolu_open_dir1", {"command": "true"})
+        assert pre.returncode == 0, pre.stderr
+        (wt / "new.txt").write_text("x\n")
+        post = asked(ws, sock, "post-tool-use", "Bash", "toolu_open_dir1", {"command": "true"},
+                     NO_IN_PROCESS)  # fmt: skip
+        assert post.returncode != 0  # done in-process (and killed there), not by the helper
+    assert git(repo, "log", "--format=%s", "main..gitrun/c1").strip() == ""
+
+
+def test_the_helper_stops_and_removes_its_socket_when_its_parent_is_gone(
+    run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    ws, _, _ = run
+    where = tmp_path / "sock"
+    where.mkdir(mode=0o700)
+    sock = where / "hook.sock"
+    serve = shlex.join([*GITRUN, "hook", "serve", "--run", "c1", "--workspace", str(ws),
+                        "--socket", str(sock)])  # fmt: skip
+    wait = f"until [ -S {shlex.quote(str(sock))} ]; do sleep 0.1; done"
+    parent = subprocess.Popen(["sh", "-c", f"{serve} & {wait}"], stdin=subprocess.DEVNULL)
+    assert parent.wait(60) == 0
+    deadline = time.monotonic() + 30
+    while where.exists():
+        assert time.monotonic() < deadline, "the helper outlived its parent"
+        time.sleep(0.1)
+
+
+def test_a_call_that_changed_nothing_is_one_record_on_the_call_log_and_no_commit(
+    run: tuple[Path, Path, Path],
+) -> None:
+    ws, repo, _ = run
+    call(ws, "toolu_quiet_call")
+    again = hook(ws, "post-tool-use", "Bash", "toolu_quiet_call", {"command": "true"})
+    assert again.returncode == 0, again.stderr  # the same call reported twice: once
+    assert subjects(repo) == []  # nothing on the branch
+    fields = "%(trailers:key={},valueonly,separator=)"
+    shown = (
+        "%s|" + fields.format("Gitrun-Idempotency-Key") + "|" + fields.format("Gitrun-Exit-Status")
+    )
+    log = git(repo, "log", f"--format={shown}", "refs/gitrun/runs/c1/calls")
+    assert log.splitlines() == ["gitrun: Bash (no change)|toolu_quiet_call|0"]
+    assert git(repo, "fsck", "--strict", "--no-dangling").strip() == ""

@@ -22,6 +22,7 @@ import stat
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import Protocol
 
 import pygit2
 
@@ -34,6 +35,14 @@ _VERSION = "gitrun-scan-cache/1"
 
 def _key(st: os.stat_result) -> str:
     return f"{st.st_mode} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
+
+
+class Watch(Protocol):
+    """What knows where the worktree may have changed (:mod:`gitrun.adapter.fswatch`)."""
+
+    def changes(self) -> frozenset[str] | None:
+        """The directories that may have changed since the last call; None: unknown."""
+        ...
 
 
 class ScanCache:
@@ -50,6 +59,9 @@ class ScanCache:
         self._trusted_before = 0
         self._tree = ""
         self._entries: dict[str, TreeEntry] = {}
+        self.watch: Watch | None = None  # a resident process's: see since()
+        self._base = ""  # the tree the worktree was found equal to (with a watch) ...
+        self._dirty: set[str] = set()  # ... but in files of these directories, maybe
 
     @classmethod
     def load(cls, path: Path) -> ScanCache:
@@ -81,6 +93,25 @@ class ScanCache:
             cache._trusted_before = st.st_mtime_ns
         return cache
 
+    def since(self, tree: str) -> frozenset[str] | None:
+        """The directories in which the worktree may differ from ``tree`` (empty: it is
+        exactly ``tree``), when a walk (or the commit of what a walk found) left it equal
+        to ``tree`` and the watch has seen only file events since; else None (walk all).
+        Without a watch, always None."""
+        if self.watch is None:
+            return None
+        dirs = self.watch.changes()
+        if dirs is None:
+            self._base = ""
+            return None
+        self._dirty |= dirs
+        return frozenset(self._dirty) if self._base == tree else None
+
+    def clean_at(self, tree: str) -> None:
+        """The walk that just ran found the worktree equal to ``tree``."""
+        if self.watch is not None:
+            self._base, self._dirty = tree, set()
+
     def lookup(self, path: str, st: os.stat_result) -> Entry | None:
         """The entry of the regular file ``path`` if its stat is unchanged since hashed."""
         found = self._known.get(path)
@@ -106,7 +137,9 @@ class ScanCache:
         return self._entries
 
     def advance(self, old: pygit2.Tree, new: pygit2.Oid, changes: dict[str, Entry | None]) -> None:
-        """The entries of ``new``: ``old``'s (when they are the ones held) with ``changes``."""
+        """The entries of ``new``: ``old``'s (when they are the ones held) with ``changes``;
+        the worktree, as walked, is ``new`` now."""
+        self.clean_at(str(new))
         if str(old.id) != self._tree:
             return
         for path, found in changes.items():
@@ -116,10 +149,27 @@ class ScanCache:
                 self._entries[path] = (found[0], found[1])
         self._tree = str(new)
 
+    def settle(self) -> None:
+        """A long-lived process, after a call: what it saw becomes what it knows, trusted
+        from now on (the racily-clean rule against the time of this call, as a save and
+        load would); the file is not written (:meth:`save` does, now and then)."""
+        if not self._seen:
+            return  # no walk: what is known holds
+        self._known.update(self._seen)  # a walk of a few directories saw only their files
+        self._seen = {}
+        stamp = self.path.with_name(self.path.name + ".stamp") if self.path else None
+        if stamp is None:
+            return
+        with suppress(OSError):
+            replace_unsynced(stamp, b"")
+            self._trusted_before = os.stat(stamp).st_mtime_ns
+
     def save(self) -> None:
         """Write what this process saw (not durable: a cache)."""
         if self.path is None:
             return
+        if not self._seen:
+            self._seen = dict(self._known)  # settled already: what is known is current
         parts = [_VERSION, "\n", self._tree, "\n"]
         for name, (key, mode, oid) in self._seen.items():
             parts += ["F\0", name, "\0", mode, "\0", key, "\0", oid, "\n"]

@@ -16,6 +16,7 @@ and deleted ones written back from git, modes too).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -246,6 +247,7 @@ def walk(
     limits: OutputLimits | None = None,
     fix_modes: bool = False,
     cache: ScanCache | None = None,
+    only: frozenset[str] | None = None,
 ) -> dict[str, Seen]:
     """Every entry under ``worktree`` but the top-level ``.git``, by ``lstat`` (no link
     followed), without recursion. Content is read only to compare an entry with the
@@ -258,9 +260,12 @@ def walk(
     nothing over them is ever read. ``fix_modes``: clear setuid, setgid and sticky bits,
     make unreadable files and odd directories (not ``rwx`` for their owner, or writable
     by others) ``0644``/``0755`` as a checkout would leave them (git keeps no other bits).
+    ``only``: the directories a resident process's watch says may have changed; a tracked
+    directory with none of them in or under it is taken as the tree's, not entered.
     """
     out: dict[str, Seen] = {}
     tracked_dirs = _tree_dirs(tracked)
+    ordered = sorted(tracked) if only is not None else []
     count = 0
     root = os.open(worktree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     stack: list[tuple[int, str, Iterator[str]]] = [(root, "", iter(sorted(os.listdir(root))))]
@@ -285,6 +290,9 @@ def walk(
                 if limits is None and path not in tracked_dirs:
                     out[path] = Seen(trees.TREE, 0, st.st_nlink)
                     continue
+                if only is not None and path in tracked_dirs and not _touched(path, only):
+                    count += _as_tracked(path, ordered, tracked, out)
+                    continue
                 sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
                 stack.append((sub, path + "/", iter(sorted(os.listdir(sub)))))
             elif stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode):
@@ -308,6 +316,24 @@ def walk(
         for dfd, _, _ in stack:
             os.close(dfd)
     return out
+
+
+def _touched(path: str, only: frozenset[str]) -> bool:
+    """Whether a directory in ``only`` is ``path`` or under it."""
+    return any(d == path or d.startswith(path + "/") for d in only)
+
+
+def _as_tracked(
+    path: str, ordered: list[str], tracked: Mapping[str, tuple[int, pygit2.Oid]],
+    out: dict[str, Seen],
+) -> int:  # fmt: skip
+    """Every tracked entry under the directory ``path``, as the tree has it (``ordered``:
+    the tracked paths, sorted); how many."""
+    low = bisect.bisect_left(ordered, path + "/")
+    high = bisect.bisect_left(ordered, path + "0")  # "0" follows "/"
+    for name in ordered[low:high]:
+        out[name] = Seen(tracked[name][0], 0, 1, True)
+    return high - low
 
 
 def _check_name(path: str, name: str, count: int, depth: int, limits: OutputLimits) -> None:
@@ -448,10 +474,13 @@ def scan(
     ``cache`` spares reading a file whose stat is unchanged since it was hashed
     (:mod:`gitrun.adapter.scancache`); it is only ever told what was read here.
     """
+    dirs = cache.since(str(tree.id)) if cache is not None else None
+    if dirs is not None and not dirs:
+        return {}  # a resident process's watch saw nothing since the worktree was ``tree``
     before = tree_entries(tree) if cache is None else cache.entries_of(tree, tree_entries)
     now = walk(
         worktree, before, lambda oid: blob_size(repo, oid),
-        limits=limits if write else None, fix_modes=fix_modes, cache=cache,
+        limits=limits if write else None, fix_modes=fix_modes, cache=cache, only=dirs,
     )  # fmt: skip
     changes: dict[str, Entry | None] = {}
     new: dict[str, Seen] = {}
@@ -473,6 +502,8 @@ def scan(
                 cache.remember(path, seen.st, stored)
         else:
             changes[path] = (seen.mode, None)
+    if cache is not None and not changes:
+        cache.clean_at(str(tree.id))
     return changes
 
 

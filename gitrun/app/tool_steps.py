@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gitrun.adapter import shell
+from gitrun.adapter import calllog, shell
 from gitrun.adapter.exec_step import Streams, ToolContext, checked_change, tree_at
+from gitrun.adapter.fswatch import DirWatch
 from gitrun.adapter.gate import normalise_path
 from gitrun.adapter.scancache import ScanCache
 from gitrun.app.opening import Options, lease_store, load_verified, open_run
@@ -173,19 +174,43 @@ class ToolRun:
 
     # -- recording -------------------------------------------------------------------------
 
-    def record(self, call: ToolCall, observed: Streams | None) -> Receipt:
+    def record(self, call: ToolCall, observed: Streams | None) -> Receipt | str:
         """The worktree's whole change since the last step as ONE step under the call's
-        key (a change the gate refuses: the worktree is put back and GateRejected)."""
+        key (a change the gate refuses: the worktree is put back and GateRejected); a
+        call that changed nothing is a record on the run's call log instead (its commit
+        id returned), never a commit on the branch. Either is made once per key."""
         streams = Streams(
             observed.stdout if observed else b"",
             observed.stderr if observed else b"",
             [*(observed.trailers if observed else []), *call.trailers()],
         )
+        found = self.rt.env.lookup(call.key)
+        if found is not None and found.intent_digest == call.action().intent_digest():
+            return found
+        logged = calllog.find(self.rt.env, call.key)
+        if logged is not None:
+            return logged
+        if self.running() and not self.changes():
+            return self._log_unchanged(call, streams)
         self.rt.tool = ToolContext(self.rt.gate, streams, self.cache)
         try:
             return self._step(call.action(), call.key)
         finally:
             self.rt.tool = ToolContext(self.rt.gate, None, self.cache)
+
+    def _log_unchanged(self, call: ToolCall, streams: Streams) -> str:
+        """The record of a call that changed nothing, on the call log (adapter/calllog.py)."""
+        action = call.action()
+        pairs = [
+            ("Gitrun-Action", TOOL),
+            ("Gitrun-Idempotency-Key", call.key),
+            ("Gitrun-Intent-Digest", action.intent_digest()),
+        ]
+        for line in streams.trailers:
+            name, _, value = line.partition(": ")
+            pairs.append((name, value))
+        subject = f"gitrun: {call.tool} (no change)"
+        return calllog.append(self.rt.env, subject, pairs, streams.stdout, streams.stderr)
 
     def _step(self, action: Action, key: str) -> Receipt:
         """One gated step under ``key`` (its receipt again when the key is recorded with
@@ -214,7 +239,7 @@ class ToolRun:
             raise rt.abandoned or GateRejected("refused", f"the step {key} was abandoned")
         return last
 
-    def sweep(self, current: str | None = None) -> Receipt | None:
+    def sweep(self, current: str | None = None) -> Receipt | str | None:
         """Record what the worktree holds beyond HEAD before anything else: the change of
         a call that was killed (under its noted key, once) or one no call made (an
         ``outside`` step). A change the rules refuse is not discarded here (it may be the
@@ -236,11 +261,42 @@ class ToolRun:
         return receipt
 
 
+def scan_cache_path(rt: Runtime) -> Path:
+    return Path(rt.env.wt.path) / SCAN_CACHE_FILE
+
+
+@dataclass
+class Resident:
+    """What a long-lived hook helper keeps between calls: the worktree's scan cache in
+    memory, with a watch that spares the walk when nothing changed (adapter/fswatch.py)."""
+
+    cache: ScanCache | None = None
+
+    def cache_for(self, rt: Runtime) -> ScanCache:
+        if self.cache is None:
+            cache = ScanCache.load(scan_cache_path(rt))
+            cache.watch = DirWatch.start(rt.env.worktree)
+            self.cache = cache
+        return self.cache
+
+    def forget(self) -> None:
+        """Drop what is kept (after a call that failed in a way not foreseen)."""
+        self.close()
+        self.cache = None
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.save()
+            if isinstance(self.cache.watch, DirWatch):
+                self.cache.watch.close()
+
+
 @contextmanager
-def opened_run(run_id: str, opts: Options) -> Iterator[ToolRun]:
+def opened_run(run_id: str, opts: Options, warm: Resident | None = None) -> Iterator[ToolRun]:
     """The run under its lease, reconciled (a pending step finished once, its files left
     as they are: they are the next step's); on the way out the receipt that rides is
-    checkpointed and the lease let go."""
+    checkpointed and the lease let go. ``warm``: a resident process's scan cache and
+    watch, kept between calls (else the worktree's cache file is read and written)."""
     from gitrun.app.service import build_runtime
     from gitrun.engine.agents import load_agent
 
@@ -259,12 +315,15 @@ def opened_run(run_id: str, opts: Options) -> Iterator[ToolRun]:
         rt = build_runtime(opened, ref, stored, lease, agent, opts)
         if rt.state.phase not in TERMINAL and rt.state.phase != NEEDS_REVIEW:
             reconcile(rt, dirty_ok=True)
-        cache = ScanCache.load(Path(rt.env.wt.path) / SCAN_CACHE_FILE)
+        cache = warm.cache_for(rt) if warm is not None else ScanCache.load(scan_cache_path(rt))
         rt.tool = ToolContext(rt.gate, None, cache)
         if rt.state.phase == RUNNING and rt.state.pending is not None:
             rt.execute_pending()  # a pending step a killed hook left: recorded once, its key
         yield ToolRun(rt, agent, cache)
-        cache.save()
+        if warm is None:
+            cache.save()
+        else:
+            cache.settle()
         rt.pause()  # the receipt riding becomes the checkpoint
     finally:
         lease.release()

@@ -50,10 +50,14 @@ def claude(
     key_file: KeyFileOpt = None,
 ) -> None:
     """Start Claude Code on a run: its own worktree, every tool call one receipt commit."""
-    from gitrun.integrations import claude_code
+    from gitrun.integrations import claude_code, claude_helper
 
     opts = _options(workspace, key_file, None)
-    started = claude_code.start(task_dir, opts, repo_path=repo, run_id=run_id, finish=finish)
+    socket = None if no_launch else claude_helper.socket_dir() / claude_helper.SOCKET_NAME
+    started = claude_code.start(task_dir, opts, repo_path=repo, run_id=run_id, finish=finish,
+                                socket=socket)  # fmt: skip
+    if started.socket is not None:  # the hooks' resident helper: a child of Claude Code's
+        claude_helper.start_beside(started.run_id, opts, started.socket)
     claude_code.launch(started, opts, claude_bin, ctx.args, dry=no_launch)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 from collections.abc import Callable
@@ -90,10 +91,15 @@ def settings_path(opts: Options, run_id: str) -> Path:
     return opts.workspace.root / "claude" / f"{run_id}.settings.json"
 
 
-def hook_command(event: str, run_id: str, opts: Options, *, finish: bool = False) -> str:
-    """The shell line Claude Code runs for ``event``: this Python, this workspace."""
-    argv = [sys.executable, "-m", "gitrun", "hook", event, "--run", run_id,
-            "--workspace", str(opts.workspace.root)]  # fmt: skip
+def hook_command(
+    event: str, run_id: str, opts: Options, *, finish: bool = False, socket: Path | None = None
+) -> str:
+    """The shell line Claude Code runs for ``event``: this Python, this workspace; with a
+    resident helper's ``socket``, the small client that asks it (claude_hookclient.py)."""
+    head = [sys.executable, "-m", "gitrun", "hook"]
+    if socket is not None:
+        head = [sys.executable, "-I", "-S", str(CLIENT), str(socket)]
+    argv = [*head, event, "--run", run_id, "--workspace", str(opts.workspace.root)]
     if opts.workspace.key_file != opts.workspace.root / "keys" / "checkpoint.keyring":
         argv += ["--key-file", str(opts.workspace.key_file)]
     if finish:
@@ -101,14 +107,14 @@ def hook_command(event: str, run_id: str, opts: Options, *, finish: bool = False
     return shlex.join(argv)
 
 
-def settings(run_id: str, opts: Options, *, finish: bool) -> dict[str, Any]:
+def settings(
+    run_id: str, opts: Options, *, finish: bool, socket: Path | None = None
+) -> dict[str, Any]:
     """Claude Code settings installing gitrun's hooks for one run."""
 
     def hook(event: str, matcher: str | None = None) -> list[dict[str, Any]]:
-        entry: dict[str, Any] = {
-            "hooks": [{"type": "command", "command": hook_command(event, run_id, opts,
-                                                                  finish=finish)}]
-        }  # fmt: skip
+        line = hook_command(event, run_id, opts, finish=finish, socket=socket)
+        entry: dict[str, Any] = {"hooks": [{"type": "command", "command": line}]}
         if matcher is not None:
             entry["matcher"] = matcher
         return [entry]
@@ -118,6 +124,7 @@ def settings(run_id: str, opts: Options, *, finish: bool) -> dict[str, Any]:
             "SessionStart": hook("session-start"),
             "PreToolUse": hook("pre-tool-use", MATCHER),
             "PostToolUse": hook("post-tool-use", MATCHER),
+            "PostToolUseFailure": hook("post-tool-use-failure", MATCHER),
             "Stop": hook("stop"),
         }
     }
@@ -129,6 +136,7 @@ class Started:
     worktree: Path
     settings: Path
     state: RunState
+    socket: Path | None = None  # where the session's resident helper is to listen
 
 
 def start(
@@ -138,8 +146,10 @@ def start(
     repo_path: Path | None,
     run_id: str | None,
     finish: bool = False,
+    socket: Path | None = None,
 ) -> Started:
-    """Make (or continue) the run Claude Code works on and write its settings file."""
+    """Make (or continue) the run Claude Code works on and write its settings file (its
+    hooks ask the helper at ``socket``; None: each hook does the work in-process)."""
     from gitrun.app import service
 
     ws = opts.workspace
@@ -158,9 +168,9 @@ def start(
         raise GateRejected("run-ended", f"run {rid} is {state.phase} ({state.stop_reason})")
     path = settings_path(opts, rid)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(settings(rid, opts, finish=finish), indent=2) + "\n"
+    text = json.dumps(settings(rid, opts, finish=finish, socket=socket), indent=2) + "\n"
     atomicfile.atomic_write(path, text.encode(), mode=0o600)
-    return Started(rid, Path(state.env.worktree), path, state)
+    return Started(rid, Path(state.env.worktree), path, state, socket)
 
 
 def refuse_other_inputs(
@@ -206,11 +216,10 @@ def resume(run_id: str, opts: Options, task_dir: Path | None) -> None:
             return
         swept = run.sweep()
         phase = run.state.phase
-    left = (
-        f"recorded what its last session left ({swept.commit[:12]})"
-        if swept
-        else "nothing left unrecorded"
-    )
+    commit = swept if isinstance(swept, str) or swept is None else swept.commit
+    left = f"recorded what its last session left ({commit[:12]})" if commit else (
+        "nothing left unrecorded"
+    )  # fmt: skip
     raise AgentGone(
         f"run {run_id} is a Claude Code run ({phase}; {left}); gitrun does not start Claude "
         f"Code on resume: go on with `gitrun claude --run-id {run_id} -- --continue` "
@@ -337,17 +346,32 @@ def _refused(exc: GitrunError) -> HookAnswer:
     return HookAnswer(BLOCK, stderr=f"gitrun refused this call (rule {rule}): {said}\n")
 
 
+EXIT_CODE = re.compile(r"Exit code (\d{1,3})\n?")  # how 2.1.332 opens a failed Bash's error
+
+
 def _streams(call: tool_steps.ToolCall, payload: dict[str, Any]) -> Streams | None:
-    """Bash's output as the tool reported it (other tools: their result is the change)."""
+    """Bash's output and exit status as Claude Code reported them (other tools: their
+    result is the change). ``PostToolUse`` comes for a command that succeeded: stdout,
+    stderr, ``interrupted`` (no exit status: 0 unless interrupted); ``PostToolUseFailure``
+    for one that failed: ``error`` ("Exit code N" then stdout and stderr as ONE text) and
+    ``is_interrupt``."""
     if call.tool != SHELL_TOOL:
         return None
+    if payload.get("hook_event_name") == "PostToolUseFailure":
+        error = payload.get("error")
+        text = error if isinstance(error, str) else ""
+        found = EXIT_CODE.match(text)
+        trailers = [f"Gitrun-Exit-Status: {int(found.group(1))}"] if found else []
+        if payload.get("is_interrupt") is True:
+            trailers.append("Gitrun-Tool-Interrupted: true")
+        output = text[found.end() :] if found else text
+        return Streams(output.encode("utf-8", "replace"), b"", trailers)
     response = payload.get("tool_response")
     if not isinstance(response, dict):
         return None
     out, err = response.get("stdout", ""), response.get("stderr", "")
-    trailers = []
-    if response.get("interrupted") is True:
-        trailers.append("Gitrun-Tool-Interrupted: true")
+    interrupted = response.get("interrupted") is True
+    trailers = ["Gitrun-Tool-Interrupted: true"] if interrupted else ["Gitrun-Exit-Status: 0"]
     return Streams(
         out.encode("utf-8", "replace") if isinstance(out, str) else b"",
         err.encode("utf-8", "replace") if isinstance(err, str) else b"",
@@ -407,31 +431,50 @@ def stop(run: tool_steps.ToolRun, payload: dict[str, Any], *, finish: bool) -> H
 HANDLERS: dict[str, Callable[[tool_steps.ToolRun, dict[str, Any]], HookAnswer]] = {
     "pre-tool-use": pre_tool_use,
     "post-tool-use": post_tool_use,
+    "post-tool-use-failure": post_tool_use,  # a failed call's change: as a successful one's
     "session-start": session_start,
 }
 EVENTS = (*HANDLERS, "stop", "finish")
+CLIENT = Path(__file__).with_name("claude_hookclient.py")  # the hook command with a helper
 
 
-def hook(event: str, run_id: str, opts: Options, raw: bytes, *, finish: bool) -> HookAnswer:
-    """One hook: the run opened under its lease, the event handled, the lease let go."""
+def hook(
+    event: str, run_id: str, opts: Options, raw: bytes, *, finish: bool,
+    warm: tool_steps.Resident | None = None,
+) -> HookAnswer:  # fmt: skip
+    """One hook: the run opened under its lease, the event handled, the lease let go
+    (``warm``: the scan cache a resident helper keeps between hooks)."""
     if event not in EVENTS:
         raise BadInput(f"unknown hook event {event!r}; one of {', '.join(EVENTS)}")
     payload = read_payload(raw) if event != "finish" else {}
-    with tool_steps.opened_run(run_id, opts) as run:
+    with tool_steps.opened_run(run_id, opts, warm) as run:
         if event in ("stop", "finish"):
             return stop(run, payload, finish=finish or event == "finish")
         return HANDLERS[event](run, payload)
 
 
 HOOK_USAGE = (
-    "usage: gitrun hook {pre-tool-use|post-tool-use|session-start|stop|finish} --run RUN "
-    "[--workspace DIR] [--key-file FILE] [--finish]  (Claude Code's hook JSON on stdin)"
+    "usage: gitrun hook {pre-tool-use|post-tool-use|post-tool-use-failure|session-start|stop|"
+    "finish|serve} --run RUN "
+    "[--workspace DIR] [--key-file FILE] [--finish] [--socket PATH]  (Claude Code's hook JSON "
+    "on stdin)"
 )
 LEASE_WAIT_SECONDS = 60.0  # hooks of one session run one after another; a slow one is waited on
 
 
-def parse_hook_args(argv: list[str]) -> tuple[str, str, Path | None, Path | None, bool]:
-    """``EVENT --run RUN [--workspace DIR] [--key-file FILE] [--finish]``; BadInput else."""
+@dataclass(frozen=True)
+class HookArgs:
+    event: str
+    run_id: str
+    workspace: Path | None
+    key_file: Path | None
+    finish: bool
+    socket: Path | None = None  # serve: where the resident helper listens
+
+
+def parse_hook_args(argv: list[str]) -> HookArgs:
+    """``EVENT --run RUN [--workspace DIR] [--key-file FILE] [--finish] [--socket PATH]``;
+    BadInput else."""
     if not argv or argv[0].startswith("-"):
         raise BadInput(HOOK_USAGE)
     event, rest = argv[0], argv[1:]
@@ -443,17 +486,16 @@ def parse_hook_args(argv: list[str]) -> tuple[str, str, Path | None, Path | None
         if arg == "--finish":
             finish = True
             i += 1
-        elif arg in ("--run", "--workspace", "--key-file") and i + 1 < len(rest):
+        elif arg in ("--run", "--workspace", "--key-file", "--socket") and i + 1 < len(rest):
             values[arg] = rest[i + 1]
             i += 2
         else:
             raise BadInput(f"gitrun hook: unexpected {arg!r}; {HOOK_USAGE}")
     if "--run" not in values:
         raise BadInput(f"gitrun hook: --run RUN is required; {HOOK_USAGE}")
-    ws = values.get("--workspace")
-    key = values.get("--key-file")
-    return (event, values["--run"], Path(ws) if ws else None,
-            Path(key) if key else None, finish)  # fmt: skip
+    ws, key, sock = values.get("--workspace"), values.get("--key-file"), values.get("--socket")
+    return HookArgs(event, values["--run"], Path(ws) if ws else None,
+                    Path(key) if key else None, finish, Path(sock) if sock else None)  # fmt: skip
 
 
 def _with_lease(fn: Callable[[], HookAnswer]) -> HookAnswer:
@@ -474,18 +516,34 @@ def _with_lease(fn: Callable[[], HookAnswer]) -> HookAnswer:
             delay = min(delay * 2, 0.2)
 
 
-def hook_main(argv: list[str]) -> int:
-    """``gitrun hook …``: one line on stderr for any refusal; a pre-tool-use hook that
+def answer(
+    event: str, run_id: str, opts: Options, raw: bytes, *, finish: bool,
+    warm: tool_steps.Resident | None = None,
+) -> HookAnswer:  # fmt: skip
+    """A hook's answer, a refusal included: one line on stderr; a pre-tool-use hook that
     cannot decide blocks the call (exit 2), never lets it through unrecorded."""
+    from gitrun.core.errors import Exit
+
+    try:
+        return _with_lease(lambda: hook(event, run_id, opts, raw, finish=finish, warm=warm))
+    except GitrunError as exc:
+        internal = "internal error: " if exc.exit_code == Exit.INTERNAL else ""
+        code = BLOCK if event == "pre-tool-use" else int(exc.exit_code)
+        return HookAnswer(code, stderr=f"gitrun: {internal}{exc}\n")
+
+
+def hook_main(argv: list[str]) -> int:
+    """``gitrun hook …`` in this process (``serve`` is claude_helper.serve_main's)."""
     from gitrun.app.opening import cli_options
     from gitrun.core.errors import Exit
 
     event = argv[0] if argv else ""
     try:
-        event, run_id, workspace, key_file, finish = parse_hook_args(argv)
-        opts = cli_options(workspace, key_file)
+        args = parse_hook_args(argv)
+        event = args.event
+        opts = cli_options(args.workspace, args.key_file)
         raw = sys.stdin.buffer.read(MAX_PAYLOAD + 1) if event != "finish" else b""
-        answer = _with_lease(lambda: hook(event, run_id, opts, raw, finish=finish))
+        said = answer(event, args.run_id, opts, raw, finish=args.finish)
     except GitrunError as exc:
         internal = "internal error: " if exc.exit_code == Exit.INTERNAL else ""
         sys.stderr.write(f"gitrun: {internal}{exc}\n")
@@ -495,8 +553,8 @@ def hook_main(argv: list[str]) -> int:
             raise
         sys.stderr.write(f"gitrun: internal error: {type(exc).__name__}: {exc}\n")
         return BLOCK if event == "pre-tool-use" else int(Exit.INTERNAL)
-    if answer.stdout:
-        sys.stdout.write(answer.stdout)
-    if answer.stderr:
-        sys.stderr.write(answer.stderr)
-    return answer.code
+    if said.stdout:
+        sys.stdout.write(said.stdout)
+    if said.stderr:
+        sys.stderr.write(said.stderr)
+    return said.code
