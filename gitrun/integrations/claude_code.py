@@ -315,6 +315,14 @@ def post_tool_use(run: tool_steps.ToolRun, payload: dict[str, Any]) -> HookAnswe
     finally:
         if noted is not None and noted.key == call.key:
             run.forget_call()
+    if run.restored:
+        said = (
+            f"gitrun put the run's git refs back ({'; '.join(run.restored)}): gitrun commits "
+            "each call's change itself, so leave changes uncommitted and stay on the run's "
+            "branch; the files were kept and this call's change recorded"
+        )
+        context = {"hookEventName": "PostToolUse", "additionalContext": said}
+        return HookAnswer(0, stdout=json.dumps({"hookSpecificOutput": context}))
     return HookAnswer(0)
 
 
