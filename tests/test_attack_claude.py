@@ -227,3 +227,58 @@ def test_a_denied_command_respelled_does_not_reach_the_remote(
         subprocess.run(["bash", "-c", spelling], cwd=ws / "worktrees" / "d1", timeout=60,
                        check=False, capture_output=True)  # fmt: skip
     assert "stolen" not in git(remote, "for-each-ref", "--format=%(refname)")
+
+
+def _hook(
+    ws: Path, event: str, payload: dict[str, object] | str, **extra: str
+) -> subprocess.CompletedProcess[bytes]:
+    """``gitrun hook EVENT --run c1`` as Claude Code starts it, ``payload`` on stdin."""
+    raw = payload if isinstance(payload, str) else json.dumps(payload)
+    env = {**os.environ, "GITRUN_HOME": str(ws), **extra}
+    return subprocess.run([*GITRUN, "hook", event, "--run", "c1"], input=raw.encode(), env=env,
+                          capture_output=True, timeout=180, check=False)  # fmt: skip
+
+
+def _bash(key: str, command: str = "echo hi > f.txt") -> dict[str, object]:
+    return {"session_id": "s-1", "tool_name": "Bash", "tool_use_id": key,
+            "tool_input": {"command": command},
+            "tool_response": {"stdout": "", "stderr": "", "interrupted": False}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("post_payload", "extra", "said"),
+    [
+        # gitrun failing inside the hook before the step's intent is written
+        (_bash("toolu_failing_0001"), {"GITRUN_FAIL_AT": "before_propose"}, "internal error"),
+        # a payload that is no Unicode text (a lone UTF-16 surrogate), as a forged one may be
+        (json.dumps(_bash("toolu_failing_0001")).replace('"Bash"', '"Bash\\ud800"'), {},
+         "lone UTF-16 surrogate"),
+    ],
+    ids=["gitrun-fails", "lone-surrogate"],
+)  # fmt: skip
+def test_a_post_tool_use_that_fails_leaves_the_change_to_its_call_never_to_the_user(
+    repo: Path, tmp_path: Path, post_payload: dict[str, object] | str, extra: dict[str, str],
+    said: str,
+) -> None:  # fmt: skip
+    """The docs: a PostToolUse that fails leaves the change in the worktree and the next
+    hook records it under the call's key. Before, the hook forgot the call on its way out
+    whatever went wrong, and the next hook recorded the Bash call's change as ``outside``:
+    the user's own edit."""
+    ws = tmp_path / "ws"
+    made = subprocess.run([*GITRUN, "claude", "--repo", str(repo), "--run-id", "c1",
+                           "--no-launch"], env={**os.environ, "GITRUN_HOME": str(ws)},
+                          capture_output=True, timeout=120, check=False)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    pre = _hook(ws, "pre-tool-use", _bash("toolu_failing_0001"))
+    assert pre.returncode == 0, pre.stderr
+    (ws / "worktrees" / "c1" / "f.txt").write_text("hi\n")  # what the Bash call did
+    post = _hook(ws, "post-tool-use", post_payload, **extra)
+    assert post.returncode != 0
+    assert said in post.stderr.decode()
+    assert post.stderr.count(b"\n") == 1
+    nxt = _hook(ws, "pre-tool-use", _bash("toolu_next_call_01", "ls"))
+    assert nxt.returncode == 0, nxt.stderr
+    assert tools_recorded(repo, "c1") == [("Bash", "gitrun: Bash f.txt")]
+    keys = git(repo, "log", "--format=%(trailers:key=Gitrun-Idempotency-Key,valueonly)", "-1",
+               "gitrun/c1")  # fmt: skip
+    assert keys.strip() == "toolu_failing_0001"
