@@ -282,3 +282,38 @@ def test_a_post_tool_use_that_fails_leaves_the_change_to_its_call_never_to_the_u
     keys = git(repo, "log", "--format=%(trailers:key=Gitrun-Idempotency-Key,valueonly)", "-1",
                "gitrun/c1")  # fmt: skip
     assert keys.strip() == "toolu_failing_0001"
+
+
+FORBIDDING_TASK = DENY_PUSH_TASK.replace('deny = ["*git push*"]', "deny = []").replace(
+    'write_allowlist = ["**"]', 'write_allowlist = ["**"]\nforbidden_paths = ["secrets/**"]'
+)
+
+
+def test_a_gitrun_package_in_the_worktree_does_not_take_the_hooks_over(
+    claude_bin: Path, repo: Path, tmp_path: Path
+) -> None:
+    """Claude Code runs each hook in the worktree: ``python -m gitrun hook …`` put the
+    working directory first on ``sys.path``, so a ``gitrun/`` package there (one the
+    model writes, or simply the repository's own: gitrun's, a fork's) WAS gitrun for
+    every later hook. A two-line ``gitrun/__main__.py`` exiting 0 let a forbidden write
+    through, unrecorded. The hooks now run ``python -I``: the installed gitrun only."""
+    task = tmp_path / "task"
+    task.mkdir()
+    (task / "task.toml").write_text(FORBIDDING_TASK)
+    ws = tmp_path / "ws"
+    wt = ws / "worktrees" / "p1"
+    plant = "mkdir gitrun; touch gitrun/__init__.py; echo 'raise SystemExit' > gitrun/__main__.py"
+    script = Script([
+        ("Bash", {"command": plant, "description": "d"}),
+        ("Write", {"file_path": f"{wt}/secrets/key", "content": "stolen\n"}),
+        ("Write", {"file_path": f"{wt}/fine.txt", "content": "fine\n"}),
+    ])  # fmt: skip
+    args = ["--task", str(task), "--repo", str(repo), "--run-id", "p1"]
+    done = session(claude_bin, ws, tmp_path, args, script)
+    assert done.returncode == 0, done.stderr
+    assert "gitrun refused this call (rule path-forbidden)" in script.results()[1]
+    assert not (wt / "secrets").exists()
+    assert tools_recorded(repo, "p1") == [
+        ("Bash", "gitrun: Bash gitrun/__init__.py, gitrun/__main__.py"),
+        ("Write", "gitrun: Write fine.txt"),
+    ]
