@@ -33,6 +33,7 @@ from gitrun.cli_options import (
     TrustOpt,
     WorkerOpt,
     WorkspaceOpt,
+    finite,
 )
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
@@ -400,7 +401,7 @@ def swebench_cmd(
         ),
     ] = None,
     ray_cpus: Annotated[
-        float, typer.Option("--ray-cpus", min=0.0, callback=_finite, help="CPUs per instance.")
+        float, typer.Option("--ray-cpus", min=0.0, callback=finite, help="CPUs per instance.")
     ] = 1.0,
     ray_env_resources: Annotated[
         bool,

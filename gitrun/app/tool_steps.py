@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gitrun.adapter import calllog, shell
+from gitrun.adapter.agent_git import restore_run_refs
 from gitrun.adapter.exec_step import Streams, ToolContext, checked_change, tree_at
 from gitrun.adapter.fswatch import DirWatch
 from gitrun.adapter.gate import normalise_path
@@ -102,6 +103,7 @@ class ToolRun:
     rt: Runtime
     agent: SessionAgent
     cache: ScanCache
+    restored: tuple[str, ...] = ()  # what the agent's own git moved and this hook put back
 
     @property
     def state(self) -> RunState:
@@ -313,13 +315,17 @@ def opened_run(run_id: str, opts: Options, warm: Resident | None = None) -> Iter
     try:
         ref, stored = load_verified(opened)  # the previous owner may have moved on
         rt = build_runtime(opened, ref, stored, lease, agent, opts)
+        restored: list[str] = []
+        if rt.state.phase == RUNNING and rt.state.pending is None and rt.env.site is None:
+            # no step under way: a move of HEAD or the branch is the agent's own git's
+            restored = restore_run_refs(rt.env, rt.state.env.head, lease.fence)
         if rt.state.phase not in TERMINAL and rt.state.phase != NEEDS_REVIEW:
             reconcile(rt, dirty_ok=True)
         cache = warm.cache_for(rt) if warm is not None else ScanCache.load(scan_cache_path(rt))
         rt.tool = ToolContext(rt.gate, None, cache)
         if rt.state.phase == RUNNING and rt.state.pending is not None:
             rt.execute_pending()  # a pending step a killed hook left: recorded once, its key
-        yield ToolRun(rt, agent, cache)
+        yield ToolRun(rt, agent, cache, tuple(restored))
         if warm is None:
             cache.save()
         else:

@@ -95,8 +95,13 @@ def hook_command(
     event: str, run_id: str, opts: Options, *, finish: bool = False, socket: Path | None = None
 ) -> str:
     """The shell line Claude Code runs for ``event``: this Python, this workspace; with a
-    resident helper's ``socket``, the small client that asks it (claude_hookclient.py)."""
-    head = [sys.executable, "-m", "gitrun", "hook"]
+    resident helper's ``socket``, the small client that asks it (claude_hookclient.py).
+
+    ``-I``: Claude Code runs hooks in the worktree, and ``python -m`` would put it first on
+    ``sys.path``: a ``gitrun/`` package there (the model's, or the repository's own) would
+    be imported instead of gitrun (tests/test_attack_claude.py). Isolated mode leaves the
+    working directory and ``PYTHON*`` variables out."""
+    head = [sys.executable, "-I", "-m", "gitrun", "hook"]
     if socket is not None:
         head = [sys.executable, "-I", "-S", str(CLIENT), str(socket)]
     argv = [*head, event, "--run", run_id, "--workspace", str(opts.workspace.root)]
@@ -282,6 +287,13 @@ def read_payload(raw: bytes) -> dict[str, Any]:
         raise BadInput(f"hook input is not JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise BadInput("hook input is not a JSON object")
+    try:  # a "\ud800" escape is valid JSON but no text: it would fail deep in a commit
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise BadInput(
+            f"hook input holds a lone UTF-16 surrogate ({exc.object[exc.start]!r}): not "
+            "Unicode text"
+        ) from exc
     return data
 
 
@@ -384,17 +396,28 @@ def post_tool_use(run: tool_steps.ToolRun, payload: dict[str, Any]) -> HookAnswe
     if not run.running():
         return HookAnswer(0)
     noted = run.noted_call()
+    # The note goes once the call is recorded or its change undone: a hook that fails in
+    # between leaves it, and the next hook records the change under this call's key.
     try:
         run.record(call, _streams(call, payload))
     except GateRejected as exc:
+        if noted is not None and noted.key == call.key:
+            run.forget_call()
         reason = (
             f"gitrun undid this {call.tool} call's change (rule {exc.rule}): "
             f"{exc.message.removeprefix(exc.rule + ': ')}"
         )
         return HookAnswer(0, stdout=json.dumps({"decision": "block", "reason": reason}))
-    finally:
-        if noted is not None and noted.key == call.key:
-            run.forget_call()
+    if noted is not None and noted.key == call.key:
+        run.forget_call()
+    if run.restored:
+        said = (
+            f"gitrun put the run's git refs back ({'; '.join(run.restored)}): gitrun commits "
+            "each call's change itself, so leave changes uncommitted and stay on the run's "
+            "branch; the files were kept and this call's change recorded"
+        )
+        context = {"hookEventName": "PostToolUse", "additionalContext": said}
+        return HookAnswer(0, stdout=json.dumps({"hookSpecificOutput": context}))
     return HookAnswer(0)
 
 
