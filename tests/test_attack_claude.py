@@ -119,11 +119,12 @@ def test_the_models_own_git_commit_checkout_and_reset_do_not_wedge_the_run(
     assert tools_recorded(repo, "g1") == [
         ("Bash", "gitrun: Bash app.py"),
         ("Write", "gitrun: Write new.py"),
-        ("Bash", "gitrun: Bash (no change)"),
         ("Write", "gitrun: Write other.py"),
         ("Bash", "gitrun: Bash app.py"),  # the reset put app.py back: that is its change
         ("Write", "gitrun: Write last.txt"),
     ]
+    calls = git(repo, "log", "--format=%s", "refs/gitrun/runs/g1/calls").splitlines()
+    assert calls == ["gitrun: Bash (no change)"]  # the checkout moved no file: a call record
     assert "mine" not in git(repo, "log", "--format=%s", "gitrun/g1")
     assert git(wt, "symbolic-ref", "HEAD").strip() == "refs/heads/gitrun/g1"
     assert git(repo, "show", "gitrun/g1~4:app.py") == "print(1)\nprint(2)\n"  # the commit's
