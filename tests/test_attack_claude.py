@@ -91,13 +91,22 @@ def test_the_model_cannot_switch_gitruns_hooks_off_with_a_settings_file_in_its_w
     assert tools_recorded(repo, "h1")[-1] == ("Write", "gitrun: Write later.txt")
 
 
+# `rm .git` and `git init` as such need a person's approval in Claude Code: spelled in Python
+REINIT = (
+    'python3 -c \'import os, subprocess; os.remove(".git"); subprocess.run(["git", "init"])\''
+    " && echo x > x.txt"
+)
+
+
 def test_the_models_own_git_commit_checkout_and_reset_do_not_wedge_the_run(
     claude_bin: Path, repo: Path, tmp_path: Path
 ) -> None:
     """Claude Code's Bash is not confined: ``git commit`` there moves the run's branch,
     ``git checkout -b`` moves the worktree's HEAD off it, ``git reset --hard main``
-    moves the branch back over receipts. Before, the next hook refused for good
-    (extra-commits, head-not-on-branch, head-moved-backwards): every later call was
+    moves the branch back over receipts, ``rm .git && git init`` puts a repository of
+    its own in place of the worktree's ``.git``. Before, the next hook refused for good
+    (extra-commits, head-not-on-branch, head-moved-backwards, dotgit-replaced): every
+    later call was
     blocked and only a person running ``git update-ref``/``git reset`` in the worktree
     could free the run. Now the next hook puts HEAD and the branch back where gitrun's
     last receipt left them, keeps the files as the command left them, and records that
@@ -111,19 +120,22 @@ def test_the_models_own_git_commit_checkout_and_reset_do_not_wedge_the_run(
         ("Bash", {"command": "git checkout -q -b elsewhere", "description": "d"}),
         ("Write", {"file_path": f"{wt}/other.py", "content": "y = 1\n"}),
         ("Bash", {"command": "git reset -q --hard main", "description": "d"}),
+        ("Bash", {"command": REINIT, "description": "d"}),
         ("Write", {"file_path": f"{wt}/last.txt", "content": "z\n"}),
     ])  # fmt: skip
     done = session(claude_bin, ws, tmp_path, ["--repo", str(repo), "--run-id", "g1"], script)
     assert done.returncode == 0, done.stderr
-    assert "refused" not in script.conversation()
+    assert "refused" not in script.conversation(), script.results()
     assert tools_recorded(repo, "g1") == [
         ("Bash", "gitrun: Bash app.py"),
         ("Write", "gitrun: Write new.py"),
         ("Bash", "gitrun: Bash (no change)"),
         ("Write", "gitrun: Write other.py"),
         ("Bash", "gitrun: Bash app.py"),  # the reset put app.py back: that is its change
+        ("Bash", "gitrun: Bash x.txt"),  # its repository gone, gitrun's .git back
         ("Write", "gitrun: Write last.txt"),
     ]
+    assert (wt / ".git").is_file()
     assert "mine" not in git(repo, "log", "--format=%s", "gitrun/g1")
     assert git(wt, "symbolic-ref", "HEAD").strip() == "refs/heads/gitrun/g1"
     assert git(repo, "show", "gitrun/g1~4:app.py") == "print(1)\nprint(2)\n"  # the commit's
