@@ -329,3 +329,30 @@ def test_a_gitrun_package_in_the_worktree_does_not_take_the_hooks_over(
         ("Bash", "gitrun: Bash gitrun/__init__.py, gitrun/__main__.py"),
         ("Write", "gitrun: Write fine.txt"),
     ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="`git worktree prune` after `rm .git` (both plain git in Claude Code's shell) "
+    "deletes the worktree's admin dir (instance id, gitrun's .git record, HEAD): every hook "
+    "then refuses (worktree-missing) and nothing but `gitrun rm` ends it. Fix needs gitrun's "
+    "worktrees locked (`git worktree lock`, with `gitrun rm` unlocking) or the admin dir "
+    "rebuilt from the checkpoint: adapter/environment.py, not hook-sized.",
+)
+def test_git_worktree_prune_from_the_models_shell_does_not_end_the_run(
+    repo: Path, tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    made = subprocess.run([*GITRUN, "claude", "--repo", str(repo), "--run-id", "c1",
+                           "--no-launch"], env={**os.environ, "GITRUN_HOME": str(ws)},
+                          capture_output=True, timeout=120, check=False)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    pre = _hook(ws, "pre-tool-use", _bash("toolu_pruning_001"))
+    assert pre.returncode == 0, pre.stderr
+    wt = ws / "worktrees" / "c1"
+    (wt / ".git").unlink()  # what the Bash call did
+    git(repo, "worktree", "prune")
+    post = _hook(ws, "post-tool-use", _bash("toolu_pruning_001"))
+    assert b"lost its git admin dir" in post.stderr  # said as it is, not "no longer exists"
+    nxt = _hook(ws, "pre-tool-use", _bash("toolu_after_prune"))
+    assert nxt.returncode == 0, nxt.stderr
