@@ -91,13 +91,22 @@ def test_the_model_cannot_switch_gitruns_hooks_off_with_a_settings_file_in_its_w
     assert tools_recorded(repo, "h1")[-1] == ("Write", "gitrun: Write later.txt")
 
 
+# `rm .git` and `git init` as such need a person's approval in Claude Code: spelled in Python
+REINIT = (
+    'python3 -c \'import os, subprocess; os.remove(".git"); subprocess.run(["git", "init"])\''
+    " && echo x > x.txt"
+)
+
+
 def test_the_models_own_git_commit_checkout_and_reset_do_not_wedge_the_run(
     claude_bin: Path, repo: Path, tmp_path: Path
 ) -> None:
     """Claude Code's Bash is not confined: ``git commit`` there moves the run's branch,
     ``git checkout -b`` moves the worktree's HEAD off it, ``git reset --hard main``
-    moves the branch back over receipts. Before, the next hook refused for good
-    (extra-commits, head-not-on-branch, head-moved-backwards): every later call was
+    moves the branch back over receipts, ``rm .git && git init`` puts a repository of
+    its own in place of the worktree's ``.git``. Before, the next hook refused for good
+    (extra-commits, head-not-on-branch, head-moved-backwards, dotgit-replaced): every
+    later call was
     blocked and only a person running ``git update-ref``/``git reset`` in the worktree
     could free the run. Now the next hook puts HEAD and the branch back where gitrun's
     last receipt left them, keeps the files as the command left them, and records that
@@ -111,20 +120,23 @@ def test_the_models_own_git_commit_checkout_and_reset_do_not_wedge_the_run(
         ("Bash", {"command": "git checkout -q -b elsewhere", "description": "d"}),
         ("Write", {"file_path": f"{wt}/other.py", "content": "y = 1\n"}),
         ("Bash", {"command": "git reset -q --hard main", "description": "d"}),
+        ("Bash", {"command": REINIT, "description": "d"}),
         ("Write", {"file_path": f"{wt}/last.txt", "content": "z\n"}),
     ])  # fmt: skip
     done = session(claude_bin, ws, tmp_path, ["--repo", str(repo), "--run-id", "g1"], script)
     assert done.returncode == 0, done.stderr
-    assert "refused" not in script.conversation()
+    assert "refused" not in script.conversation(), script.results()
     assert tools_recorded(repo, "g1") == [
         ("Bash", "gitrun: Bash app.py"),
         ("Write", "gitrun: Write new.py"),
         ("Write", "gitrun: Write other.py"),
         ("Bash", "gitrun: Bash app.py"),  # the reset put app.py back: that is its change
+        ("Bash", "gitrun: Bash x.txt"),  # its repository gone, gitrun's .git back
         ("Write", "gitrun: Write last.txt"),
     ]
     calls = git(repo, "log", "--format=%s", "refs/gitrun/runs/g1/calls").splitlines()
     assert calls == ["gitrun: Bash (no change)"]  # the checkout moved no file: a call record
+    assert (wt / ".git").is_file()
     assert "mine" not in git(repo, "log", "--format=%s", "gitrun/g1")
     assert git(wt, "symbolic-ref", "HEAD").strip() == "refs/heads/gitrun/g1"
     assert git(repo, "show", "gitrun/g1~4:app.py") == "print(1)\nprint(2)\n"  # the commit's
@@ -318,3 +330,30 @@ def test_a_gitrun_package_in_the_worktree_does_not_take_the_hooks_over(
         ("Bash", "gitrun: Bash gitrun/__init__.py, gitrun/__main__.py"),
         ("Write", "gitrun: Write fine.txt"),
     ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="`git worktree prune` after `rm .git` (both plain git in Claude Code's shell) "
+    "deletes the worktree's admin dir (instance id, gitrun's .git record, HEAD): every hook "
+    "then refuses (worktree-missing) and nothing but `gitrun rm` ends it. Fix needs gitrun's "
+    "worktrees locked (`git worktree lock`, with `gitrun rm` unlocking) or the admin dir "
+    "rebuilt from the checkpoint: adapter/environment.py, not hook-sized.",
+)
+def test_git_worktree_prune_from_the_models_shell_does_not_end_the_run(
+    repo: Path, tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    made = subprocess.run([*GITRUN, "claude", "--repo", str(repo), "--run-id", "c1",
+                           "--no-launch"], env={**os.environ, "GITRUN_HOME": str(ws)},
+                          capture_output=True, timeout=120, check=False)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    pre = _hook(ws, "pre-tool-use", _bash("toolu_pruning_001"))
+    assert pre.returncode == 0, pre.stderr
+    wt = ws / "worktrees" / "c1"
+    (wt / ".git").unlink()  # what the Bash call did
+    git(repo, "worktree", "prune")
+    post = _hook(ws, "post-tool-use", _bash("toolu_pruning_001"))
+    assert b"lost its git admin dir" in post.stderr  # said as it is, not "no longer exists"
+    nxt = _hook(ws, "pre-tool-use", _bash("toolu_after_prune"))
+    assert nxt.returncode == 0, nxt.stderr

@@ -130,8 +130,16 @@ class Environment(WorktreeFiles):
         worktree's ``.git`` entry, which an exec's command can replace (:mod:`dotgit`)."""
         if self._wt is None:
             admin = dotgit.admin_dir(gitstore.common_dir(self.repo), self.run_id)
-            if not self.worktree.is_dir() or not (admin / "gitdir").is_file():
+            if not self.worktree.is_dir():
                 raise EnvironmentDrift("worktree-missing", f"{self.worktree} no longer exists")
+            if not (admin / "gitdir").is_file():
+                raise EnvironmentDrift(
+                    "worktree-missing",
+                    f"the worktree {self.worktree} has lost its git admin dir {admin} ("
+                    "`git worktree prune` removes it when the worktree's .git file is "
+                    "missing); the run cannot go on there: its receipts stay on "
+                    f"the branch {self.branch.removeprefix('refs/heads/')}",
+                )
             self._wt = gitstore.open_repo(admin)
         return self._wt
 
