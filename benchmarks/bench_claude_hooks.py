@@ -4,9 +4,13 @@ process Claude Code starts for it, and the storage 1,000 tool calls take.
 Targets (issue #33): a hook adds at most 50 ms (median) to a tool call that changes
 nothing and at most 100 ms to one that changes a file, in a 10,000-file repository.
 
-Latency: each sample is one ``python -m gitrun hook EVENT --run RUN`` process fed the
-JSON Claude Code sends, timed from spawn to exit (wall) with its CPU time (user + system,
-from the children's rusage), in rounds that interleave every case in rotating order.
+Latency: each sample is one hook process as a ``gitrun claude`` session's settings start
+it — the small client (``python -I -S claude_hookclient.py SOCKET EVENT …``) asking the
+session's resident helper (started here with ``gitrun hook serve``) — fed the JSON Claude
+Code sends, timed from spawn to exit (wall), with its CPU time (user + system, from the
+children's rusage) plus what the helper spent meanwhile (``/proc/PID/schedstat``), in
+rounds that interleave the cases in rotating order; then the same without a helper
+(``python -m gitrun hook EVENT``: the in-process hook), in rounds of their own.
 Cases: PreToolUse of a Bash call and of a Write (the sweep for changes no call made, the
 gate); PostToolUse of a call that changed nothing, and of one that changed one file (the
 file is written before the hook starts, untimed). Floors in the same rounds:
@@ -176,15 +180,24 @@ TARGETS = {"PostToolUse, no change": NO_CHANGE_TARGET_MS,
 
 
 def latency(cases: Cases, n: int, warmup: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Every case ``n`` times, in rounds that rotate their order: first the floors and the
+    hooks a session's helper answers, then (a session without a helper) the floors and
+    the in-process hooks. Not mixed: an in-process hook moving the branch would make the
+    helper's next hook walk the whole worktree, which no real session does."""
     out: dict[str, tuple[list[int], list[int]]] = {k: ([], []) for k in CASES}
-    names = list(CASES)
-    for i in range(warmup + n):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            wall, cpu = cases.run(name)
-            if i >= warmup:
-                out[name][0].append(wall)
-                out[name][1].append(cpu)
+    floors = [k for k in CASES if k in FLOORS]
+    for phase in (
+        [k for k in CASES if k not in FLOORS and not k.startswith("no helper: ")],
+        [k for k in CASES if k.startswith("no helper: ")],
+    ):
+        names = [*floors, *phase]
+        for i in range(warmup + n):
+            shift = i % len(names)
+            for name in names[shift:] + names[:shift]:
+                wall, cpu = cases.run(name)
+                if i >= warmup and not (name in FLOORS and phase[0].startswith("no helper")):
+                    out[name][0].append(wall)
+                    out[name][1].append(cpu)
     return out
 
 

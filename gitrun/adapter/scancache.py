@@ -62,6 +62,7 @@ class ScanCache:
         self.watch: Watch | None = None  # a resident process's: see since()
         self._base = ""  # the tree the worktree was found equal to (with a watch) ...
         self._dirty: set[str] = set()  # ... but in files of these directories, maybe
+        self._memo: tuple[tuple[str, bool, bool], dict[str, Entry | None]] | None = None
 
     @classmethod
     def load(cls, path: Path) -> ScanCache:
@@ -101,11 +102,34 @@ class ScanCache:
         if self.watch is None:
             return None
         dirs = self.watch.changes()
+        if dirs is None or dirs:
+            self._memo = None  # something happened since the last scan's answer
         if dirs is None:
             self._base = ""
             return None
         self._dirty |= dirs
         return frozenset(self._dirty) if self._base == tree else None
+
+    def answered(
+        self, key: tuple[str, bool, bool], dirs: frozenset[str] | None
+    ) -> dict[str, Entry | None] | None:
+        """The answer of a scan with ``key`` (tree, write, fix_modes) known without a walk:
+        nothing (``dirs``, from :meth:`since`, empty), or what the last scan with that key
+        found when the watch has seen nothing since (a step scans twice: to know whether
+        the call changed anything, then to commit it). None: walk."""
+        if dirs is not None and not dirs:
+            return {}
+        if self.watch is not None and self._memo is not None and self._memo[0] == key:
+            return dict(self._memo[1])
+        return None
+
+    def found(self, key: tuple[str, bool, bool], changes: dict[str, Entry | None]) -> None:
+        """What a walk for ``key`` found: nothing (the worktree is that tree), or the
+        answer to give again while the watch sees nothing."""
+        if not changes:
+            self.clean_at(key[0])
+        elif self.watch is not None:
+            self._memo = (key, dict(changes))
 
     def clean_at(self, tree: str) -> None:
         """The walk that just ran found the worktree equal to ``tree``."""

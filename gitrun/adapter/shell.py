@@ -474,9 +474,11 @@ def scan(
     ``cache`` spares reading a file whose stat is unchanged since it was hashed
     (:mod:`gitrun.adapter.scancache`); it is only ever told what was read here.
     """
-    dirs = cache.since(str(tree.id)) if cache is not None else None
-    if dirs is not None and not dirs:
-        return {}  # a resident process's watch saw nothing since the worktree was ``tree``
+    key = (str(tree.id), write, fix_modes)
+    dirs = cache.since(key[0]) if cache is not None else None
+    known = cache.answered(key, dirs) if cache is not None else None
+    if known is not None:
+        return known  # a resident process's watch saw nothing since it last knew
     before = tree_entries(tree) if cache is None else cache.entries_of(tree, tree_entries)
     now = walk(
         worktree, before, lambda oid: blob_size(repo, oid),
@@ -502,8 +504,8 @@ def scan(
                 cache.remember(path, seen.st, stored)
         else:
             changes[path] = (seen.mode, None)
-    if cache is not None and not changes:
-        cache.clean_at(str(tree.id))
+    if cache is not None:
+        cache.found(key, changes)
     return changes
 
 

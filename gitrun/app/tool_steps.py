@@ -143,14 +143,16 @@ class ToolRun:
 
     # -- looking ---------------------------------------------------------------------------
 
-    def changes(self, *, write: bool = False) -> dict[str, shell.Entry | None]:
+    def changes(
+        self, *, write: bool = False, fix_modes: bool = False
+    ) -> dict[str, shell.Entry | None]:
         """What the worktree holds beyond HEAD (stored too with ``write``: then every new
         directory is entered and the policy's output limits hold, as for an exec step)."""
         policy = self.rt.gate.policy.exec
         limits = policy.limits if policy is not None else OutputLimits()
         return shell.scan(
             self.rt.env.repo, self.worktree, tree_at(self.rt.env, self.rt.state.env.tree),
-            write=write, limits=limits, cache=self.cache,
+            write=write, limits=limits, fix_modes=fix_modes, cache=self.cache,
         )  # fmt: skip
 
     def check_changes(self, changes: dict[str, shell.Entry | None]) -> None:
@@ -186,19 +188,30 @@ class ToolRun:
             observed.stderr if observed else b"",
             [*(observed.trailers if observed else []), *call.trailers()],
         )
-        found = self.rt.env.lookup(call.key)
+        last = self.rt.state.receipts.last  # a helper killed after its commit: replayed
+        found = last if last is not None and last.key == call.key else None
+        found = found or self.rt.env.lookup(call.key, since=self.rt.state.env.head)
         if found is not None and found.intent_digest == call.action().intent_digest():
             return found
         logged = calllog.find(self.rt.env, call.key)
         if logged is not None:
             return logged
-        if self.running() and not self.changes():
+        if self.running() and not self._changed():
             return self._log_unchanged(call, streams)
         self.rt.tool = ToolContext(self.rt.gate, streams, self.cache)
         try:
             return self._step(call.action(), call.key)
         finally:
             self.rt.tool = ToolContext(self.rt.gate, None, self.cache)
+
+    def _changed(self) -> bool:
+        """Whether the worktree differs from HEAD, looked at as the step's commit will
+        (so that a resident helper's scan cache answers that scan without a walk); a
+        change the rules refuse counts: the step refuses it and puts the worktree back."""
+        try:
+            return bool(self.changes(write=True, fix_modes=True))
+        except GateRejected:
+            return True
 
     def _log_unchanged(self, call: ToolCall, streams: Streams) -> str:
         """The record of a call that changed nothing, on the call log (adapter/calllog.py)."""
