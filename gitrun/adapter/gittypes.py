@@ -88,6 +88,16 @@ def tree_of(repo: Repository, key: str | Oid) -> Oid:
     return repo[key].peel(pygit2.Tree).id
 
 
+def peel_tree(repo: Repository, key: str | Oid) -> Tree:
+    """The tree of the commit (or the tree) ``key`` names; KeyError or ValueError when none."""
+    return repo[key].peel(pygit2.Tree)
+
+
+def blob_data(repo: Repository, key: str | Oid) -> bytes:
+    """The bytes of the blob ``key`` names; KeyError or ValueError when none."""
+    return bytes(repo[key].peel(pygit2.Blob).data)
+
+
 def is_bare(git_dir: str) -> bool:
     """Whether the repository at ``git_dir`` has no working tree."""
     return bool(pygit2.Repository(git_dir).is_bare)
@@ -110,12 +120,14 @@ __all__ = [
     "as_blob",
     "as_tree",
     "blob_at",
+    "blob_data",
     "commit_at",
     "discover",
     "first_parent",
     "is_bare",
     "oid",
     "open_plain",
+    "peel_tree",
     "revparse_commit",
     "tree_at",
     "tree_of",
