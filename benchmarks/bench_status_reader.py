@@ -114,10 +114,11 @@ def commands(gitrun: list[str], script: Path, baseline: Path | None) -> dict[str
     }
 
 
-def check_same(gitrun: list[str], script: Path, env: dict[str, str]) -> None:
+def check_same(gitrun: list[str], script: Path, env: dict[str, str], baseline: Path | None) -> None:
     """Every variant prints what the installed ``gitrun status`` prints, without pygit2."""
     want = subprocess.run([*gitrun, "status", RUN_ID], capture_output=True, env=env, check=True)
-    for reader in ("gitrun", "dulwich"):
+    other = [] if baseline is None else [f"tree={baseline}"]
+    for reader in ("gitrun", "dulwich", *other):
         argv = [sys.executable, str(script), reader, "check", "status", RUN_ID]
         got = subprocess.run(argv, capture_output=True, env=env, check=True)
         if got.stdout != want.stdout:
@@ -208,7 +209,10 @@ def main() -> None:
                 subprocess.run(["git", "-C", str(repo), "gc", "-q"], check=True, env=env)
         gitrun, _ = entry_argv()
         script = launcher(tmp)
-        check_same(gitrun, script, env)
+        if args.baseline is not None:  # bytecode, as the installed checkout has it
+            compiled = [sys.executable, "-m", "compileall", "-q", str(args.baseline / "gitrun")]
+            subprocess.run(compiled, check=True, env=env | {"PYTHONDONTWRITEBYTECODE": ""})
+        check_same(gitrun, script, env, args.baseline)
         t0 = time.perf_counter()
         samples = measure(commands(gitrun, script, args.baseline), env, iterations, 2)
         print(f"  {iterations} samples per command in {time.perf_counter() - t0:.1f}s")

@@ -71,6 +71,38 @@ def first_parent(commit: Commit) -> Commit | None:
     return parents[0] if parents else None
 
 
+def open_plain(path: Path | str) -> Repository:
+    """``path``'s repository opened to read, as libgit2 opens it: none of the durability
+    set-up of :func:`gitrun.store.gitstore.open_repo` (use that one to write)."""
+    return pygit2.Repository(str(path))
+
+
+def revparse_commit(repo: Repository, rev: str) -> Oid:
+    """The commit ``rev`` names (as ``git rev-parse REV^{commit}``); KeyError or
+    ValueError when it names none."""
+    return repo.revparse_single(rev).peel(pygit2.Commit).id
+
+
+def tree_of(repo: Repository, key: str | Oid) -> Oid:
+    """The tree of the commit (or the tree) ``key`` names; KeyError or ValueError when none."""
+    return repo[key].peel(pygit2.Tree).id
+
+
+def peel_tree(repo: Repository, key: str | Oid) -> Tree:
+    """The tree of the commit (or the tree) ``key`` names; KeyError or ValueError when none."""
+    return repo[key].peel(pygit2.Tree)
+
+
+def blob_data(repo: Repository, key: str | Oid) -> bytes:
+    """The bytes of the blob ``key`` names; KeyError or ValueError when none."""
+    return bytes(repo[key].peel(pygit2.Blob).data)
+
+
+def is_bare(git_dir: str) -> bool:
+    """Whether the repository at ``git_dir`` has no working tree."""
+    return bool(pygit2.Repository(git_dir).is_bare)
+
+
 def discover(path: Path | str) -> str | None:
     """The git dir of the repository ``path`` is in (as ``git`` finds it), or None."""
     found = pygit2.discover_repository(str(path))
@@ -88,9 +120,15 @@ __all__ = [
     "as_blob",
     "as_tree",
     "blob_at",
+    "blob_data",
     "commit_at",
     "discover",
     "first_parent",
+    "is_bare",
     "oid",
+    "open_plain",
+    "peel_tree",
+    "revparse_commit",
     "tree_at",
+    "tree_of",
 ]

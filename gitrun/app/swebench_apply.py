@@ -15,8 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pygit2
-
+from gitrun.adapter.gittypes import Repository, blob_data, peel_tree, tree_of
 from gitrun.core.errors import BadInput, GitrunError
 from gitrun.core.patch import apply_file_patch, parse_patch
 from gitrun.core.runner_files import SECTION_SUFFIXES, command_paths, runner_reason
@@ -59,27 +58,27 @@ def _apply_on(repo: Path, tree: str, patch: bytes, extra: list[str]) -> str:
         return _git(repo, ["write-tree"], index).decode().strip()
 
 
-def strict_accepts(repo: pygit2.Repository, base: str, patch: bytes) -> bool:
+def strict_accepts(repo: Repository, base: str, patch: bytes) -> bool:
     """Whether gitrun's strict applier takes ``patch`` on ``base`` as it stands."""
-    tree = repo[base].peel(pygit2.Tree)
+    tree = peel_tree(repo, base)
     try:
         for fp in parse_patch(patch):
             old_path = fp.old_path
             old = None
             if old_path is not None and old_path in tree:
                 obj = tree[old_path]
-                old = repo[obj.id].peel(pygit2.Blob).data
+                old = blob_data(repo, obj.id)
             apply_file_patch(old, fp)
     except GitrunError:
         return False
     return True
 
 
-def apply_prediction(repo: pygit2.Repository, base: str, patch: bytes) -> Applied:
+def apply_prediction(repo: Repository, base: str, patch: bytes) -> Applied:
     """The prediction's tree on ``base``: the strict stage, else the recount stage; refused
     (BadInput naming git's reason) when neither applies it exactly."""
     gitdir = Path(repo.path)
-    base_tree = str(repo[base].peel(pygit2.Tree).id)
+    base_tree = str(tree_of(repo, base))
     if strict_accepts(repo, base, patch):
         return Applied(STRICT, _apply_on(gitdir, base_tree, patch, []), patch)
     tree = _apply_on(gitdir, base_tree, patch, ["--recount"])
@@ -92,13 +91,11 @@ def _diff(gitdir: Path, old: str, new: str) -> bytes:
                     Path(tmp) / "index")  # fmt: skip
 
 
-def test_files(
-    repo: pygit2.Repository, base: str, test_patch: bytes
-) -> tuple[str, tuple[str, ...]]:
+def test_files(repo: Repository, base: str, test_patch: bytes) -> tuple[str, tuple[str, ...]]:
     """The base tree with ``test_patch`` applied (by ``git apply``, as the write does) and
     every path that changes: the files the harness resets to the base before applying it."""
     gitdir = Path(repo.path)
-    base_tree = str(repo[base].peel(pygit2.Tree).id)
+    base_tree = str(tree_of(repo, base))
     if not test_patch.strip():
         return base_tree, ()
     tree = _apply_on(gitdir, base_tree, test_patch, [])
@@ -124,7 +121,7 @@ def _changed(gitdir: Path, old: str, new: str) -> list[tuple[str, str | None, st
 
 
 def runner_changes(
-    repo: pygit2.Repository, reference: str, tree: str, test_cmd: str
+    repo: Repository, reference: str, tree: str, test_cmd: str
 ) -> tuple[tuple[str, str], ...]:
     """Each path (with the reason) where ``tree`` changes how the tests run compared with
     ``reference`` (the base with the test patch): :func:`gitrun.core.runner_files.runner_reason`
@@ -136,7 +133,7 @@ def runner_changes(
         def blob(oid: str | None, path: str = path) -> bytes | None:
             if oid is None or not path.endswith(SECTION_SUFFIXES):
                 return None  # only a config file's bytes are compared
-            return repo[oid].peel(pygit2.Blob).data
+            return blob_data(repo, oid)
 
         why = runner_reason(path, blob(old_id), blob(new_id), named)
         if why is not None:
@@ -145,13 +142,13 @@ def runner_changes(
 
 
 def with_test_patch(
-    repo: pygit2.Repository, base: str, tree: str, test_patch: bytes, paths: tuple[str, ...]
+    repo: Repository, base: str, tree: str, test_patch: bytes, paths: tuple[str, ...]
 ) -> tuple[str, bytes]:
     """``tree`` with ``paths`` (the files ``test_patch`` names, and any test-runner file
     the prediction changed) reset to ``base`` and ``test_patch`` applied, as the harness
     does; and git's diff from ``tree`` to it (the second write)."""
     gitdir = Path(repo.path)
-    base_tree = repo[base].peel(pygit2.Tree)
+    base_tree = peel_tree(repo, base)
     with tempfile.TemporaryDirectory(prefix="gitrun-swe-index-") as tmp:
         index = Path(tmp) / "index"
         _git(gitdir, ["read-tree", tree], index)

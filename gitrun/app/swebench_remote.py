@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pygit2
-
+from gitrun.adapter.gittypes import open_plain
 from gitrun.app.swebench_queue import DONE, Entry, Queue
 from gitrun.app.swebench_repos import find_repo
 from gitrun.app.swebench_run import (
@@ -41,6 +40,7 @@ from gitrun.app.swebench_run import (
 from gitrun.app.workspace import Workspace, check_run_id
 from gitrun.core.codec import digest
 from gitrun.core.errors import BadInput, GitrunError, KeyFileError, RemoteUnavailable
+from gitrun.store.gitstore import read_ref
 from gitrun.store.keys import load_keyring
 from gitrun.store.receipts import branch_ref
 
@@ -219,9 +219,8 @@ class Shared:
         rid = out.get("gitrun_run_id")
         if not rid:
             return None  # refused or not applied: no run, no branch
-        repo = pygit2.Repository(str(self._repo_dir(job)))
-        oid = repo.references.get(branch_ref(str(rid)))
-        return (branch_ref(str(rid)), str(oid.target)) if oid is not None else None
+        tip = read_ref(open_plain(self._repo_dir(job)), branch_ref(str(rid)))
+        return (branch_ref(str(rid)), str(tip)) if tip is not None else None
 
     def _repo_dir(self, job: Job) -> Path:
         ws = Path(self.ctx.workspace) if self.ctx.workspace else Workspace().root
@@ -266,7 +265,7 @@ def run_shared(ctx: Context, jobs: list[Job], manifest: dict[str, Any], workers:
         if job.inst.instance_id not in {j.inst.instance_id for j in runs.values()}:
             show(job.inst.instance_id, {"instance_id": job.inst.instance_id, "result": EMPTY})
     repos = {shared._repo_dir(j) for j in runs.values()}
-    queue.borrow([Path(pygit2.Repository(str(r)).path) / "objects" for r in repos])
+    queue.borrow([Path(open_plain(r).path) / "objects" for r in repos])
     entries = queue.manifest(manifest | {"runs": sorted(every)})
     heart, pool = Heartbeat(queue, ctx.claim_seconds / 3), Pool(ctx, workers)
     heart.start()

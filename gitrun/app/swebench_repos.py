@@ -12,9 +12,9 @@ import os
 import subprocess
 from pathlib import Path
 
-import pygit2
 from filelock import FileLock
 
+from gitrun.adapter.gittypes import discover, is_bare, open_plain
 from gitrun.core.errors import BadInput
 
 
@@ -30,10 +30,10 @@ def find_repo(repos: Path, full: str, workspace: Path, base_commit: str) -> Path
     for cand in _candidates(repos, owner, name):
         if not cand.is_dir():
             continue
-        found = pygit2.discover_repository(str(cand))
+        found = discover(cand)
         if found is None:
             raise BadInput(f"repository {full}: {cand} is not a git repository")
-        if not pygit2.Repository(found).is_bare:
+        if not is_bare(found):
             return cand
         return _working_clone(cand, workspace / "swebench-repos" / f"{owner}__{name}", base_commit)
     raise BadInput(
@@ -57,7 +57,7 @@ def _working_clone(bare: Path, dest: Path, base_commit: str) -> Path:
             if dest.exists():
                 raise BadInput(f"{dest} exists but is not a clone; remove it")
             _git(["clone", "-q", "--shared", str(bare.resolve()), str(dest)])
-        repo = pygit2.Repository(str(dest))
+        repo = open_plain(dest)
         try:
             repo.revparse_single(base_commit)
         except (KeyError, ValueError):

@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import pygit2
-
+from gitrun.adapter.gittypes import open_plain, revparse_commit, tree_of
 from gitrun.app import service, swebench_apply, swebench_env
 from gitrun.app.opening import Options
 from gitrun.app.swebench_repos import find_repo
@@ -203,9 +202,9 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
     inst, patch = job.inst, (job.pred.patch or "")
     opts = _options(ctx)
     repo_dir = find_repo(Path(ctx.repos), inst.repo, opts.workspace.root, inst.base_commit)
-    repo = pygit2.Repository(str(repo_dir))
+    repo = open_plain(repo_dir)
     try:
-        base = str(repo.revparse_single(inst.base_commit).peel(pygit2.Commit).id)
+        base = str(revparse_commit(repo, inst.base_commit))
     except (KeyError, ValueError) as exc:
         raise BadInput(
             f"{inst.instance_id}: base_commit {inst.base_commit} not in {repo_dir}"
@@ -228,7 +227,7 @@ def _run(ctx: Context, job: Job) -> dict[str, Any]:
             repo, base, applied.tree, test_patch, test_paths + tuple(p for p, _ in runner)
         )
     rid, parts = gitrun_run_id(ctx, job)
-    base_tree = str(repo[base].peel(pygit2.Tree).id)
+    base_tree = str(tree_of(repo, base))
     env_home = str(swebench_env.ensure_env(job.spec, inst, repo_dir, base_tree))
     files = {
         "task.toml": _task_toml(job, base, repo_dir.resolve(), env_home).encode(),
