@@ -82,7 +82,7 @@ def _options(workspace: Path | None, key_file: Path | None, worker: str | None =
 
 def _finish(state: RunState) -> None:
     detail = state.verifier.summary if state.verifier else (state.stop_reason or "")
-    typer.echo(f"run {state.run_id}: {state.phase} ({detail})")
+    cli_view.echo_out(f"run {state.run_id}: {state.phase} ({detail})")
     raise typer.Exit(int(Exit.DONE if state.phase == DONE else Exit.FAILED))
 
 
@@ -426,10 +426,13 @@ def swebench_cmd(
         return
     runner = _executor(executor, ray_address, ray_cpus, ray_env_resources)
     report = swebench.run_batch(req, workspace, key_file, None if as_json else _say, runner)
-    typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
+    cli_view.echo_out(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
     if html is not None:  # the batch page, from the files the batch just wrote
         line = cli_view.batch_html(report_dir, run_id, html, _options(workspace, key_file))
-        typer.echo(line, err=as_json)
+        if as_json:
+            typer.echo(line, err=True)
+        else:
+            cli_view.echo_out(line)
     for line in report["error_lines"]:  # one line per kind; any error: exit 1
         typer.echo(f"gitrun: {line}", err=True)
     if report["error_lines"]:

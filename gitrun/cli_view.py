@@ -14,6 +14,18 @@ if TYPE_CHECKING:
     from gitrun.app.options import Options
 
 
+def echo_out(text: str, nl: bool = True) -> None:
+    """``text`` on standard output; a reader gone away (``| true``) is no error and
+    changes nothing else the command does: its page is still written, its other lines
+    still said, its exit status still its own (a failed run's 1, a refused chain's 5)."""
+    from gitrun.entry import output_closed
+
+    try:
+        typer.echo(text, nl=nl)
+    except BrokenPipeError:
+        output_closed()
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(version_text())
@@ -60,7 +72,7 @@ def write_page(text: str, out: Path) -> None:
     from gitrun.store.atomicfile import atomic_write
 
     if str(out) == "-":
-        typer.echo(text, nl=False)
+        echo_out(text, nl=False)
         return
     try:
         atomic_write(out, text.encode("utf-8"))
@@ -91,7 +103,7 @@ def report(
         raise BadInput("report: name the page to write with --html FILE (- for standard output)")
     opts = cli_options(workspace, key_file)
     if batch is not None:
-        typer.echo(batch_html(batch, run_id, html, opts))
+        echo_out(batch_html(batch, run_id, html, opts))
         return
     if run_id is None:
         raise BadInput("report: name a RUN (or a batch with --batch DIR)")
@@ -110,7 +122,7 @@ def run_html(run_id: str, html: Path, opts: Options) -> None:
     if not data["verified"]:
         raise Refused(f"{data['chain_error']} (the page at {where} shows what git holds)")
     if str(html) != "-":
-        typer.echo(f"run {run_id}: {data['phase']}; report written to {html}")
+        echo_out(f"run {run_id}: {data['phase']}; report written to {html}")
 
 
 def batch_html(report_dir: Path, run_id: str | None, html: Path, opts: Options) -> str:

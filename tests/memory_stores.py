@@ -211,7 +211,6 @@ class MemoryLeaseStore:
         self.worker = worker
         self.duration = duration
         self.lease: Lease | None = None
-        self.taken_over: Lease | None = None  # the memory store models no live other worker
         self._serial: int | None = None
         self._claimed = False
 
@@ -313,6 +312,10 @@ class MemoryLeaseStore:
             self._write(replace(held[0], expires_at=time.time()), self._serial)
         self.lease = None
         self._drop()
+
+    def pop_takeover(self) -> Lease | None:
+        """Always None: the memory store models no other worker alive at a takeover."""
+        return None
 
 
 # -- the receipt log ---------------------------------------------------------------------

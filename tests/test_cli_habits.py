@@ -89,6 +89,38 @@ def test_a_closed_output_pipe_ends_quietly_with_status_0(
     assert proc.returncode == 0
 
 
+def _closed_stdout(gitrun: Gitrun, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(gitrun.argv(*args), env=gitrun.env(**extra), stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=240, check=False,
+                              cwd=gitrun.home.parent)  # fmt: skip
+    finally:
+        os.close(write)
+
+
+def test_a_closed_output_pipe_keeps_a_failed_runs_status_and_a_refused_chains(
+    gitrun: Gitrun, tmp_path: Path
+) -> None:
+    """Quiet, but never a success that was not one: the run's own exit status stays."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text('schema = 1\n[[step]]\nkind = "write_file"\npath = "x.txt"\ncontent = "x"\n')
+    task = str(SANDBOXES / "fix-median")
+    failed = _closed_stdout(gitrun, "run", task, "--run-id", "f1", "-q", "--agent", f"plan:{plan}")
+    assert (failed.returncode, failed.stderr) == (1, "")
+    again = _closed_stdout(gitrun, "resume", "f1", "-q")
+    assert (again.returncode, again.stderr) == (1, "")
+    repo = gitrun.home / "repos" / "fix-median"
+    ref = subprocess.run(["git", "for-each-ref", "--format=%(refname)",
+                          "refs/gitrun/runs/f1/checkpoints/"], cwd=repo, check=True,
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    subprocess.run(["git", "update-ref", ref, f"{ref}~1"], cwd=repo, check=True)  # a rollback
+    refused = _closed_stdout(gitrun, "report", "f1", "--html", "-")
+    assert refused.returncode == 5, refused.stderr
+    assert "the page at standard output shows what git holds" in refused.stderr
+
+
 def test_a_reader_that_stops_early_is_no_error_in_a_real_shell_pipeline(
     finished: dict[str, str],
 ) -> None:
@@ -253,6 +285,21 @@ def test_swebench_reads_its_dataset_or_predictions_from_standard_input(
     report = json.loads(proc.stdout)
     assert report["empty_patch_instances"] == 2
     assert report["submitted_instances"] == 2
+
+
+def test_swebench_writes_its_page_even_when_its_output_reader_is_gone(
+    gitrun: Gitrun, world: Path
+) -> None:
+    page = world / "b.html"
+    with tempfile.TemporaryDirectory(prefix="gitrun-habits-envs-", dir="/var/tmp") as envs:
+        proc = _closed_stdout(gitrun, "swebench", "--dataset", str(BUNDLE / "instances.jsonl"),
+                              "--predictions", str(BUNDLE / "preds-empty.jsonl"), "--repos",
+                              str(world / "repos"), "--run-id", "b", "--report-dir",
+                              str(world / "out"), "--html", str(page),
+                              GITRUN_SWEBENCH_ENVS=envs)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "gitrun: " not in proc.stderr  # the progress lines only: no error line
+    assert "empty <b>2</b>" in page.read_text()
 
 
 def test_standard_input_named_twice_is_refused_by_name(gitrun: Gitrun, world: Path) -> None:

@@ -215,7 +215,7 @@ def _takeover(e: dict[str, Any]) -> str:
         f"(lease v{esc(e['from_lease'])})"
     )
     rows = [("previous holder", e["from_worker"]), ("its lease", e["from_lease"]),
-            ("last renewed", e["from_renewed_at"]), ("expires", e["from_expires_at"]),
+            ("last renewed", e["from_renewed_at"]), ("expired at", e["from_expires_at"]),
             ("new holder", e["worker"]), ("new lease", e["lease"]),
             ("phase", e["previous_phase"])]  # fmt: skip
     body = (

@@ -105,12 +105,9 @@ class LeaseStore(Protocol):
     - :meth:`release` expires the lease now and keeps its version, so the next owner's
       version is higher and every fence of this one is refused from then on.
     - :attr:`fence` is what writers present; LeaseLost when the handle holds no lease.
-    - :attr:`taken_over` is the lease :meth:`acquire` took from another worker still at
-      work on the run (not a resume after that worker's crash); the run records it once
-      and sets it back to None.
+    - :meth:`pop_takeover` is the lease :meth:`acquire` took from another worker still at
+      work on the run (not a resume after that worker's crash), once; None afterwards.
     """
-
-    taken_over: Lease | None
 
     @property
     def run_id(self) -> str: ...
@@ -145,6 +142,10 @@ class LeaseStore(Protocol):
 
     def release(self) -> None:
         """Give the lease up on a clean exit: expire it now, keep its version."""
+        ...
+
+    def pop_takeover(self) -> Lease | None:
+        """The lease the last acquire took from another worker at work on the run, once."""
         ...
 
 

@@ -96,32 +96,6 @@ def reconcile(rt: Runtime, *, apply: bool = True, dirty_ok: bool = False) -> str
     raise _classify_drift(env.repo, explained, tip.id)
 
 
-def record_takeover(rt: Runtime) -> None:
-    """A lease taken from another worker still at work on the run (stopped, hung, or out
-    of reach, its lease expired or not renewed) is a takeover, not a resume after a
-    crash: one checkpoint records who held the run, under which lease, and how it was
-    taken, before anything else is written."""
-    taken, held = rt.lease.taken_over, rt.lease.lease
-    if taken is None or held is None or rt.state.phase != RUNNING:
-        return  # a run stopped for a human was let go by its owner, not taken from it
-    rt.lease.taken_over = None  # recorded once
-    expired = taken.expires_at <= held.acquired_at
-    data = {
-        "from_worker": taken.owner_worker,
-        "from_lease": taken.lease_version,
-        "from_renewed_at": taken.renewed_at,
-        "from_expires_at": taken.expires_at,
-        "how": "its lease expired" if expired else "its lease was not renewed in time",
-        "worker": held.owner_worker,
-        "lease": held.lease_version,
-    }
-    rt.commit(rt.state.with_events(Event(LEASE_TAKEOVER, held.acquired_at, data)))
-    rt.say(
-        f"run {rt.state.run_id} taken over from worker {taken.owner_worker} "
-        f"(lease {taken.lease_version}): {data['how']}"
-    )
-
-
 def _holds(repo: Repository, tip: Oid, commit: Oid) -> bool:
     return tip == commit or repo.descendant_of(tip, commit)
 
@@ -314,3 +288,28 @@ def _classify_drift(repo: Repository, expected: Oid, tip: Oid) -> EnvironmentDri
             "extra-commits", f"the branch has commits after {expected} that no intent explains"
         )
     return EnvironmentDrift("foreign-history", f"the branch at {tip} does not contain {expected}")
+
+
+def record_takeover(rt: Runtime) -> None:
+    """A lease taken from another worker still at work on the run (stopped, hung, or out
+    of reach, its lease expired or not renewed) is a takeover, not a resume after a
+    crash: one checkpoint records who held the run, under which lease, and how it was
+    taken, before anything else is written."""
+    taken, held = rt.lease.pop_takeover(), rt.lease.lease
+    if taken is None or held is None or rt.state.phase != RUNNING:
+        return  # a run stopped for a human was let go by its owner, not taken from it
+    expired = taken.expires_at <= held.acquired_at
+    data = {
+        "from_worker": taken.owner_worker,
+        "from_lease": taken.lease_version,
+        "from_renewed_at": taken.renewed_at,
+        "from_expires_at": taken.expires_at,
+        "how": "its lease expired" if expired else "its lease was not renewed in time",
+        "worker": held.owner_worker,
+        "lease": held.lease_version,
+    }
+    rt.commit(rt.state.with_events(Event(LEASE_TAKEOVER, held.acquired_at, data)))
+    rt.say(
+        f"run {rt.state.run_id} taken over from worker {taken.owner_worker} "
+        f"(lease {taken.lease_version}): {data['how']}"
+    )

@@ -158,10 +158,7 @@ class LeaseManager:
         self.lease: Lease | None = None
         self._oid: pygit2.Oid | None = None
         self._owner_lock: filelock.BaseFileLock | None = None
-        # The lease the last acquire took from another worker not known to be gone (its
-        # lease expired or went stale while its process lived on, or lives elsewhere): a
-        # takeover, which the run's next checkpoint records. None after a plain resume.
-        self.taken_over: Lease | None = None
+        self._taken_over: Lease | None = None  # see pop_takeover
 
     def _claim_owner_lock(self) -> bool:
         """Take this worker's OS-level owner lock on the run without waiting.
@@ -234,8 +231,16 @@ class LeaseManager:
                 expires,
                 f"another worker took run {self.run_id} first: {owner} until {_until(expires)}",
             ) from exc
-        self.taken_over = taken_over
+        self._taken_over = taken_over
         return lease
+
+    def pop_takeover(self) -> Lease | None:
+        """The lease the last acquire took from another worker not known to be gone (its
+        lease expired or went stale while its process lived on, or lives elsewhere): a
+        takeover, which the run's next checkpoint records. Once: None afterwards, and
+        None after a plain resume."""
+        taken, self._taken_over = self._taken_over, None
+        return taken
 
     def takeover_of(self, current: Lease | None) -> Lease | None:
         """``current`` when taking it is a takeover: another worker's lease, whose owner is

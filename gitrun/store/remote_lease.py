@@ -99,7 +99,7 @@ class RemoteLeaseStore(LeaseManager):
             self._drop_owner_lock()
             raise self._lost_race()
         self.site.cache([update])
-        self.lease, self._oid, self.taken_over = lease, blob, taken_over
+        self.lease, self._oid, self._taken_over = lease, blob, taken_over
         return lease
 
     def _lost_race(self) -> LeaseHeld:
