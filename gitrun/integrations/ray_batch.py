@@ -165,18 +165,20 @@ class RayExecutor:
         for job in jobs:
             if job not in runs.values():
                 show(job.inst.instance_id, {"instance_id": job.inst.instance_id, "result": EMPTY})
-        entries = queue.manifest(manifest | {"runs": sorted(runs)})
+        queue_doc = manifest | {"runs": sorted(runs)}
         watch = _Watch(ctx, queue, runs, show)
-        watch.take_in(entries)
-        todo = {r: j for r, j in sorted(runs.items()) if not watch.landed(entries.get(r))}
-        if not todo:  # the report from the remote alone: no cluster needed
+        if all(watch.landed(e) for e in (queue.refresh().get(r) for r in runs)):
+            watch.take_in(queue.manifest(queue_doc))  # the report from the remote alone
             return watch.results
-        with connected(self.address, workers, WHAT) as ray:
-            self._check_resources(ray, ctx, list(todo.values()))
+        with connected(self.address, workers, WHAT) as ray:  # refused before publishing
+            self._check_resources(ray, ctx, list(runs.values()))
+            entries = queue.manifest(queue_doc)
+            watch.take_in(entries)
             task = ray.remote(settle)
             pending = {
                 task.options(**self.placement(ctx, job)).remote(ctx, job, rid): rid
-                for rid, job in todo.items()
+                for rid, job in sorted(runs.items())
+                if not watch.landed(entries.get(rid))
             }
             try:
                 self._follow(ray, pending, queue, watch)
