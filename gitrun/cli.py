@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -483,6 +484,10 @@ def _executor(
 app.command("report")(cli_view.report)  # after swebench: the order --help lists them
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 @app.command("worker")
 def worker_cmd(
     remote: Annotated[
@@ -504,7 +509,13 @@ def worker_cmd(
     from gitrun.app import worker as batch_worker
 
     cfg = batch_worker.WorkerConfig(remote, batch, repos, report_dir, workspace, key_file, workers)
-    report = batch_worker.run_worker(cfg, None if as_json else _say)
+    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop: give the claims back
+    try:
+        report = batch_worker.run_worker(cfg, None if as_json else _say)
+    except KeyboardInterrupt:
+        typer.echo("gitrun: worker stopped; it gave back the instances it held: the other "
+                   "workers take them at once", err=True)  # fmt: skip
+        sys.exit(int(Exit.INTERRUPTED))  # (not typer.Exit: main's resume hint is for runs)
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else report["line"])
     for line in report["error_lines"]:  # the batch is done: its errors are its verdicts
         typer.echo(f"gitrun: {line}", err=True)

@@ -133,6 +133,12 @@ def done_records(bare: Path, batch: str) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def git_stdin(repo: Path, data: bytes, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(repo), *args], input=data, capture_output=True,
+                          check=True, timeout=30)  # fmt: skip
+    return done.stdout.decode().strip()
+
+
 def descendants(pid: int) -> list[tuple[int, str]]:
     """Every process below ``pid`` with its command name (read from /proc)."""
     children: dict[int, list[int]] = {}
@@ -236,6 +242,39 @@ def test_a_worker_killed_mid_instance_is_taken_over_after_its_claim_expires(
     assert f"{taken[0]}: resolved" in b.stderr()  # evaluated by b, from its start
 
 
+def test_a_worker_stopped_by_sigterm_gives_its_instance_back_at_once(
+    tmp_path: Path, envs: Path, key: Path, git_daemon: Daemon
+) -> None:
+    """A scheduler stops a worker (pod deleted, job cancelled) with SIGTERM: its claim is
+    released, so another worker takes the instance without waiting out the lease."""
+    world = make_world(tmp_path / "world", 1, 3.0, wrong_every=0)
+    url = git_daemon.bare("batch.git")
+    bare = Path(git_daemon.path_url("batch.git"))
+    a, b = (Node.make(tmp_path / n, envs, key) for n in "ab")
+    publish(a, world, url, "t", "--lease-seconds", "120")
+    try:
+        stopped = a.start(url, "t")
+        deadline = time.monotonic() + 120
+        while not any(name == "sleep" for _, name in descendants(stopped.pid)):
+            assert stopped.poll() is None, a.stderr()
+            assert time.monotonic() < deadline, "the worker never ran an instance's tests"
+            time.sleep(0.05)
+        stopped.send_signal(signal.SIGTERM)
+        assert stopped.wait(timeout=30) == 130
+        assert "gave back the instances it held" in a.stderr().splitlines()[-1]
+        start = time.monotonic()
+        res = b.run(b.worker_argv(url, "t"), timeout=100)
+        took = time.monotonic() - start
+    finally:
+        a.reap()
+    assert res.returncode == 0, res.stderr
+    assert took < 60  # far less than the 120 s lease: the claim was given back
+    hist = done_records(bare, "t")["sleepy-000"]
+    assert hist[0]["owner"] != hist[-1]["owner"]
+    released = [h for h in hist if h["owner"] == hist[0]["owner"]][-1]
+    assert released["expires_at"] < hist[0]["expires_at"] - 60  # expired at its release
+
+
 def test_a_worker_started_after_everything_is_done_exits_0_at_once_evaluating_nothing(
     tmp_path: Path, envs: Path, key: Path, git_daemon: Daemon
 ) -> None:
@@ -304,6 +343,25 @@ def test_bad_inputs_to_a_worker_are_one_line_each_with_its_exit_code_and_change_
     assert res.returncode == 2, res.stderr
     assert "batch p on the remote holds another queue" in one_line(res.stderr)
     assert remote_refs(bare) == before
+    # someone with push access but not the key swaps the published predictions: refused
+    ref = f"{PREFIX}/p/manifest"
+    entries = git(bare, "ls-tree", ref).splitlines()
+    forged = world.predictions.read_text().replace("+fixed", "+mended").encode()  # all wrong
+    assert forged != world.predictions.read_bytes()
+    blob = git_stdin(bare, forged, "hash-object", "-w", "--stdin")
+    listing = "".join(
+        (e.rsplit(" ", 1)[0] + f" {blob}\tpredictions.jsonl" if e.endswith("predictions.jsonl")
+         else e) + "\n" for e in entries
+    )  # fmt: skip
+    tree = git_stdin(bare, listing.encode(), "mktree")
+    message = git(bare, "log", "-1", "--format=%B", ref)
+    commit = git(bare, "commit-tree", tree, "-p", ref, "-m", message).strip()
+    git(bare, "update-ref", ref, commit)
+    res = node.run(node.worker_argv(url, "p"), timeout=60)
+    assert res.returncode == 5, res.stderr
+    assert "inputs of batch p" in one_line(res.stderr)
+    assert "running" not in res.stderr
+    git(bare, "update-ref", ref, before[ref])
     # the batch started by hand gets its inputs once published, and a worker finishes it
     publish(node, world, url, "hand")
     res = node.run(node.worker_argv(url, "hand"))

@@ -207,9 +207,10 @@ class Queue:
                 "--remote` without its inputs: publish them once with that command line and "
                 "--publish added, then start the workers"
             )
-        files = {str(e.name): self.repo[e.id].peel(pygit2.Blob).data for e in commit.tree}
+        blobs = [e for e in commit.tree if e.type_str == "blob" and e.name in INPUT_FILES]
+        files = {str(e.name): self.repo[e.id].peel(pygit2.Blob).data for e in blobs}
         signed = self._inputs_bytes(files)
-        ok = isinstance(signature, dict) and set(files) <= INPUT_FILES and self.keyring.verify(
+        ok = isinstance(signature, dict) and len(blobs) == len(commit.tree) and self.keyring.verify(
             str(signature.get("key_id")), signed, str(signature.get("mac"))) is True  # fmt: skip
         if not ok:
             raise CheckpointRejected(

@@ -33,7 +33,6 @@ from typing import Any
 
 from gitrun.app import swebench
 from gitrun.app.inputs import read_input
-from gitrun.app.swebench_queue import INPUT_FILES
 from gitrun.app.swebench_remote import open_queue, run_shared
 from gitrun.app.swebench_repos import find_repo
 from gitrun.app.swebench_run import EMPTY, Context, Job, gitrun_run_id
@@ -201,19 +200,20 @@ def _settings(files: dict[str, bytes], batch: str) -> dict[str, Any]:
 
 
 @contextmanager
-def _published_request(cfg: WorkerConfig) -> Iterator[tuple[swebench.Request, Context]]:
-    """The batch's request, its inputs read from the remote into a temporary directory
-    (there while the context lasts), and the context its instances run in."""
+def _published(cfg: WorkerConfig) -> Iterator[tuple[swebench.Request, Batch]]:
+    """The published batch, read (its inputs in a temporary directory while the context
+    lasts, for :func:`swebench.run_batch` to plan from), checked and planned: the queue
+    this gitrun derives must be the published one, and this node's repositories must hold
+    every base commit. Nothing is claimed."""
     probe = Context(cfg.batch, str(cfg.repos), str(cfg.report_dir), _str(cfg.workspace),
                     _str(cfg.key_file), remote=cfg.remote)  # fmt: skip
-    _, files = open_queue(probe).published()
+    queue, files = open_queue(probe).published()
     settings = _settings(files, cfg.batch)
     if not cfg.repos.is_dir():
         raise BadInput(f"--repos {cfg.repos}: no such directory (this node's repositories)")
     with tempfile.TemporaryDirectory(prefix="gitrun-worker-") as tmp:
         for name, data in files.items():
-            if name in INPUT_FILES:
-                (Path(tmp) / name).write_bytes(data)
+            (Path(tmp) / name).write_bytes(data)
         gold = settings["predictions"] == core.GOLD
         preds = core.GOLD if gold else str(Path(tmp) / "predictions.jsonl")
         req = swebench.Request(
@@ -224,7 +224,20 @@ def _published_request(cfg: WorkerConfig) -> Iterator[tuple[swebench.Request, Co
         ctx = Context(cfg.batch, str(cfg.repos.resolve()), str(cfg.report_dir.resolve()),
                       _str(cfg.workspace), _str(cfg.key_file), remote=cfg.remote,
                       claim_seconds=req.lease_seconds)  # fmt: skip
-        yield req, ctx
+        instances, jobs, submitted = swebench.plan_jobs(req)
+        run_ids = {j.inst.instance_id: gitrun_run_id(ctx, j)[0] for j in jobs
+                   if j.pred.patch and j.pred.patch.strip()}  # fmt: skip
+        batch = Batch(cfg, ctx, tuple(instances), tuple(jobs), tuple(submitted), run_ids)
+        mine = batch.manifest | {"runs": sorted(run_ids.values())}
+        if mine != queue:
+            differs = sorted(k for k in {*mine, *queue} if mine.get(k) != queue.get(k))
+            raise BadInput(
+                f"batch {cfg.batch}'s published inputs give this gitrun another queue than "
+                f"the published one ({', '.join(differs)} differ): run the workers with the "
+                "gitrun version that published the batch"
+            )
+        _check_repos(cfg, [j for j in jobs if j.inst.instance_id in run_ids])
+        yield req, batch
 
 
 def open_batch(cfg: WorkerConfig) -> Batch:
@@ -233,12 +246,8 @@ def open_batch(cfg: WorkerConfig) -> Batch:
     remote not reached, ``CheckpointRejected`` (5) for inputs not signed with this
     node's key, ``KeyFileError`` (2) for no key file, ``BadInput`` (2) for a repository
     missing from ``cfg.repos`` or lacking an instance's base commit."""
-    with _published_request(cfg) as (req, ctx):
-        instances, jobs, submitted = swebench.plan_jobs(req)
-    run_ids = {j.inst.instance_id: gitrun_run_id(ctx, j)[0] for j in jobs
-               if j.pred.patch and j.pred.patch.strip()}  # fmt: skip
-    _check_repos(cfg, [j for j in jobs if j.inst.instance_id in run_ids])
-    return Batch(cfg, ctx, tuple(instances), tuple(jobs), tuple(submitted), run_ids)
+    with _published(cfg) as (_, batch):
+        return batch
 
 
 def _check_repos(cfg: WorkerConfig, jobs: list[Job]) -> None:
@@ -272,9 +281,7 @@ def run_worker(cfg: WorkerConfig, say: Callable[[str], None] | None = None) -> d
     on the remote, then write the batch's report (the same on every worker) and return it
     (``report_file``, ``line``, ``error_lines`` added, as ``gitrun swebench`` returns).
     Progress lines go to ``say``. Safe to start any number of times, anywhere."""
-    with _published_request(cfg) as (req, _ctx):
-        _, jobs, _ = swebench.plan_jobs(req)
-        _check_repos(cfg, [j for j in jobs if j.pred.patch and j.pred.patch.strip()])
+    with _published(cfg) as (req, _):
         return swebench.run_batch(req, cfg.workspace, cfg.key_file, say)
 
 
@@ -285,7 +292,8 @@ def run_one_instance(
     another worker holds it, wait for its result (taking it over if that worker's claim
     expires); when it is done already, return that. Its log files are written under
     ``cfg.report_dir`` either way. Pass ``batch`` (from :func:`open_batch`) to skip
-    re-reading the inputs."""
+    re-reading the inputs. Once every instance is done, :func:`run_worker` writes the
+    batch's report at once, evaluating nothing."""
     batch = batch or open_batch(cfg)
     job = batch.job(instance_id)
     rid = batch.run_ids.get(instance_id)
