@@ -34,9 +34,9 @@ from typing import Any
 from filelock import FileLock
 
 from gitrun.app.swebench_queue import CLAIMED, DONE, Entry, Queue
-from gitrun.app.swebench_remote import Heartbeat, Pool, Shared, open_queue
+from gitrun.app.swebench_remote import Heartbeat, Pool, Shared, open_queue, write_logs
 from gitrun.app.swebench_repos import find_repo
-from gitrun.app.swebench_run import EMPTY, Context, Job, gitrun_run_id, log_dir, write_files
+from gitrun.app.swebench_run import EMPTY, Context, Job, gitrun_run_id, log_dir
 from gitrun.app.workspace import Workspace
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.integrations.ray_cluster import connected, node_name, require_ray
@@ -114,7 +114,7 @@ class _Watch:
             iid = job.inst.instance_id
             if entry.state == DONE and iid not in self.results:
                 self.results[iid] = str((entry.result or {}).get("result"))
-                write_files(log_dir(self.ctx, job.pred.model, iid), self.queue.files(entry))
+                write_logs(log_dir(self.ctx, job.pred.model, iid), self.queue.files(entry))
                 self.show(iid, {"instance_id": iid, "result": self.results[iid],
                                 "reason": f"evaluated by {entry.owner}"})  # fmt: skip
             elif entry.state == CLAIMED and entry.live(now) and iid not in self.running:
