@@ -45,6 +45,7 @@ COMMANDS = (
     ("approve", "Show the action waiting for approval and sign an approval bound to exactly it."),
     ("swebench", "Evaluate SWE-bench predictions, one gitrun run per instance."),
     ("report", "Write a run (or a SWE-bench batch) as one self-contained HTML page."),
+    ("worker", "Evaluate a published SWE-bench batch with others until none is left; exit 0."),
     ("checkpoint", "Verify checkpoints."),
     ("debug", "Debugging aids."),
     ("keys", "Approver/reviewer keys and the checkpoint keyring."),

@@ -10,7 +10,6 @@ started is killed by pid at the end, and the test checks none is left.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import importlib.util
 import json
 import os
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 from helpers import git, hermetic_env, one_line
 from ray_helpers import alive, cmdline, pids, ray_head, tree
-from swebench_data import BUNDLE, make_repos
+from sleepy_world import make_world
 
 from gitrun.store.keys import load_keyring
 
@@ -90,45 +89,21 @@ class Node:
         return json.loads((self.root / "out" / f"m.{run_id}.json").read_text())
 
 
-def _slow_patch(work: Path, marker: Path) -> str:
-    """The gold fix of fix-median, with tests that sleep while ``marker`` exists: the
-    verdict is the gold one's, its tests just take long enough to be killed in."""
-    path = work / "stats" / "median.py"
-    old = path.read_text()
-    new = old.replace(
-        "from collections.abc import Iterable\n",
-        f"import os\nimport time\n\nif os.path.exists({str(marker)!r}):\n    time.sleep({SLOW})\n"
-        "from collections.abc import Iterable\n",
-    ).replace("    return data[mid]\n", "    return (data[mid - 1] + data[mid]) / 2\n")
-    new = new.replace(
-        "        return (data[mid - 1] + data[mid]) / 2\n", "        return data[mid]\n", 1
-    )
-    lines = difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                 "a/stats/median.py", "b/stats/median.py")  # fmt: skip
-    return "diff --git a/stats/median.py b/stats/median.py\n" + "".join(lines)
-
-
 def _inputs(root: Path, marker: Path) -> tuple[Path, Path, dict[str, str]]:
-    """Three fix-median instances: -0 gold, -1 gold with slow tests, -2 a wrong patch."""
-    rec = json.loads((BUNDLE / "instances.jsonl").read_text().splitlines()[0])
-    wrong = json.loads((BUNDLE / "preds-wrong.jsonl").read_text().splitlines()[0])
-    slow = _slow_patch(root / "repos" / "gitrun-sandboxes__fix-median", marker)
-    patches = [rec["patch"], slow, wrong["model_patch"]]
-    rows = [rec | {"instance_id": f"{rec['instance_id']}-{n}"} for n in range(3)]
-    preds = [{"instance_id": r["instance_id"], "model_name_or_path": "m", "model_patch": p}
-             for r, p in zip(rows, patches, strict=True)]  # fmt: skip
-    (root / "six.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "preds.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
-    want = {r["instance_id"]: "resolved" for r in rows} | {rows[2]["instance_id"]: "unresolved"}
-    return root / "six.jsonl", root / "preds.jsonl", want
+    """Three instances of ``tests/sleepy_world.py`` (no package to install): -000 gold,
+    -001 gold with tests that sleep while ``marker`` exists (long enough to be killed in;
+    the verdict is the same), -002 a wrong patch."""
+    world = make_world(root, 3, 0)
+    rows = [json.loads(line) for line in world.dataset.read_text().splitlines()]
+    rows[1]["test_cmd"] = f"if [ -e {marker} ]; then sleep {SLOW}; fi; " + rows[1]["test_cmd"]
+    world.dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return world.dataset, world.predictions, world.want
 
 
 def _node(root: Path) -> Node:
     """This machine as a node: its repositories, the batch key, the remote, the inputs."""
     envs = Path(tempfile.mkdtemp(prefix="gitrun-ray-envs-", dir="/var/tmp"))
     temp = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))  # short: Ray's socket paths
-    make_repos(root / "repos")
-    shutil.copy(BUNDLE / "specs.json", root / "repos" / "gitrun-swebench.json")
     key = root / "shared.keyring"
     load_keyring(key)
     remote = root / "remote.git"
@@ -205,11 +180,8 @@ def _testing(iid: str, not_pid: int | None = None) -> int | None:
 
 
 def _in_tests(pid: int) -> bool:
-    """Whether the instance's test command runs below ``pid`` (matched by its arguments:
-    the temporary paths of this very suite have "pytest" in them too)."""
-    return any(
-        "-rA" in c and "tests/test_median.py" in c for c in map(cmdline, tree({pid}) - {pid})
-    )
+    """Whether the slow instance's test command runs below ``pid`` (matched by its script)."""
+    return any("slow-tests" in c and "grep -qx" in c for c in map(cmdline, tree({pid}) - {pid}))
 
 
 def _wait_for(what: str, timeout: float, probe: Any) -> Any:
@@ -353,3 +325,16 @@ def test_executor_ray_without_a_remote_is_refused_before_anything_runs(node: Nod
     assert done.returncode == 2, done.stderr
     assert "--remote URL" in one_line(done.stderr)
     assert not (node.root / "out").exists()
+
+
+@needs_ray
+def test_a_ray_address_nothing_answers_at_is_refused_in_seconds_publishing_nothing(
+    node: Node,
+) -> None:
+    started = time.monotonic()
+    done = node.run(node.argv("na", "--remote", str(node.remote), "--executor", "ray",
+                              "--ray-address", "127.0.0.1:1"))  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "no Ray cluster answers at 127.0.0.1:1" in one_line(done.stderr)
+    assert time.monotonic() - started < 30  # ray.init itself would retry it for ever
+    assert git(node.remote, "for-each-ref") == ""  # the batch was not published

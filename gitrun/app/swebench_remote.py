@@ -29,22 +29,39 @@ from gitrun.app.swebench_repos import find_repo
 from gitrun.app.swebench_run import (
     BUSY,
     EMPTY,
+    LOG_FILES,
     Context,
     Job,
     evaluate,
     gitrun_run_id,
     log_dir,
     report_files,
-    write_files,
 )
 from gitrun.app.workspace import Workspace, check_run_id
 from gitrun.core.codec import digest
 from gitrun.core.errors import BadInput, GitrunError, KeyFileError, RemoteUnavailable
+from gitrun.store.atomicfile import replace_unsynced
 from gitrun.store.gitstore import read_ref
 from gitrun.store.keys import load_keyring
 from gitrun.store.receipts import branch_ref
 
 Shown = Callable[[str, dict[str, Any] | None], None]  # (instance id, its result or None)
+
+
+def write_logs(where: Path, files: dict[str, bytes]) -> None:
+    """Write an instance's log files as the remote's record holds them, and remove the
+    others an earlier evaluation left. Each is replaced whole, without fsync: they are a
+    copy of the remote's record, which any later run of the batch writes again (a file
+    a power cut tore differs from it, so it is rewritten), and every worker writes every
+    instance's logs: four fsyncs each would cost each worker ~40 ms an instance."""
+    where.mkdir(parents=True, exist_ok=True, mode=0o755)
+    for name in LOG_FILES:
+        if name not in files:
+            (where / name).unlink(missing_ok=True)
+    for name, data in files.items():
+        target = where / name
+        if not target.is_file() or target.read_bytes() != data:
+            replace_unsynced(target, data, mode=0o644)
 
 
 def _free(seen: Entry | None, now: float) -> bool:
@@ -173,7 +190,7 @@ class Shared:
                 continue
             iid = job.inst.instance_id
             self.results[iid] = str((entry.result or {}).get("result"))
-            write_files(log_dir(self.ctx, job.pred.model, iid), self.queue.files(entry))
+            write_logs(log_dir(self.ctx, job.pred.model, iid), self.queue.files(entry))
             who = "here" if entry.owner == self.queue.worker else f"by {entry.owner}"
             self.show(iid, {"instance_id": iid, "result": self.results[iid],
                             "reason": f"evaluated {who}"})  # fmt: skip

@@ -292,7 +292,8 @@ def run_one_instance(
     another worker holds it, wait for its result (taking it over if that worker's claim
     expires); when it is done already, return that. Its log files are written under
     ``cfg.report_dir`` either way. Pass ``batch`` (from :func:`open_batch`) to skip
-    re-reading the inputs."""
+    re-reading the inputs. Once every instance is done, :func:`run_worker` writes the
+    batch's report at once, evaluating nothing."""
     batch = batch or open_batch(cfg)
     job = batch.job(instance_id)
     rid = batch.run_ids.get(instance_id)

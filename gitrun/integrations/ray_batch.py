@@ -34,9 +34,9 @@ from typing import Any
 from filelock import FileLock
 
 from gitrun.app.swebench_queue import CLAIMED, DONE, Entry, Queue
-from gitrun.app.swebench_remote import Heartbeat, Pool, Shared, open_queue
+from gitrun.app.swebench_remote import Heartbeat, Pool, Shared, open_queue, write_logs
 from gitrun.app.swebench_repos import find_repo
-from gitrun.app.swebench_run import EMPTY, Context, Job, gitrun_run_id, log_dir, write_files
+from gitrun.app.swebench_run import EMPTY, Context, Job, gitrun_run_id, log_dir
 from gitrun.app.workspace import Workspace
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.integrations.ray_cluster import connected, node_name, require_ray
@@ -114,7 +114,7 @@ class _Watch:
             iid = job.inst.instance_id
             if entry.state == DONE and iid not in self.results:
                 self.results[iid] = str((entry.result or {}).get("result"))
-                write_files(log_dir(self.ctx, job.pred.model, iid), self.queue.files(entry))
+                write_logs(log_dir(self.ctx, job.pred.model, iid), self.queue.files(entry))
                 self.show(iid, {"instance_id": iid, "result": self.results[iid],
                                 "reason": f"evaluated by {entry.owner}"})  # fmt: skip
             elif entry.state == CLAIMED and entry.live(now) and iid not in self.running:
@@ -165,18 +165,20 @@ class RayExecutor:
         for job in jobs:
             if job not in runs.values():
                 show(job.inst.instance_id, {"instance_id": job.inst.instance_id, "result": EMPTY})
-        entries = queue.manifest(manifest | {"runs": sorted(runs)})
+        queue_doc = manifest | {"runs": sorted(runs)}
         watch = _Watch(ctx, queue, runs, show)
-        watch.take_in(entries)
-        todo = {r: j for r, j in sorted(runs.items()) if not watch.landed(entries.get(r))}
-        if not todo:  # the report from the remote alone: no cluster needed
+        if all(watch.landed(e) for e in (queue.refresh().get(r) for r in runs)):
+            watch.take_in(queue.manifest(queue_doc))  # the report from the remote alone
             return watch.results
-        with connected(self.address, workers, WHAT) as ray:
-            self._check_resources(ray, ctx, list(todo.values()))
+        with connected(self.address, workers, WHAT) as ray:  # refused before publishing
+            self._check_resources(ray, ctx, list(runs.values()))
+            entries = queue.manifest(queue_doc)
+            watch.take_in(entries)
             task = ray.remote(settle)
             pending = {
                 task.options(**self.placement(ctx, job)).remote(ctx, job, rid): rid
-                for rid, job in todo.items()
+                for rid, job in sorted(runs.items())
+                if not watch.landed(entries.get(rid))
             }
             try:
                 self._follow(ray, pending, queue, watch)

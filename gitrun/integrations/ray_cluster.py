@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 from types import ModuleType
 
 from gitrun.core.errors import BadInput, ExtraMissing
+
+PROBE_SECONDS = 5.0  # how long a --ray-address may take to accept a connection
 
 
 def require_ray(what: str) -> ModuleType:
@@ -37,6 +40,8 @@ def connected(address: str | None, num_cpus: int | None, what: str) -> Iterator[
     # Ray's own log lines would interleave with gitrun's progress: gitrun reports each
     # task's outcome itself, and a task's failure reaches the driver as an exception.
     options = {"log_to_driver": False, "configure_logging": False}
+    if address:
+        _reachable(address, what)  # ray.init retries an unreachable address for ever
     try:
         if address:
             ray.init(address=address, **options)
@@ -54,6 +59,23 @@ def connected(address: str | None, num_cpus: int | None, what: str) -> Iterator[
         yield ray
     finally:
         ray.shutdown()
+
+
+def _reachable(address: str, what: str) -> None:
+    """Refuse, in a few seconds, a ``host:port`` nothing listens on (``auto`` is Ray's)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        if address == "auto":
+            return
+        raise BadInput(f"{what}: --ray-address {address} is not HOST:PORT or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_SECONDS).close()
+    except OSError as exc:
+        raise BadInput(
+            f"{what}: no Ray cluster answers at {address} ({exc.strerror or exc}); start "
+            "its head node (`ray start --head`) or fix --ray-address (the head's GCS "
+            "address, HOST:PORT, as `ray start` printed it)"
+        ) from exc
 
 
 def node_name() -> str:
