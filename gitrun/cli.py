@@ -38,8 +38,9 @@ from gitrun.cli_options import (
 from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.records import DONE, RunState
-from gitrun.entry import leave, output_closed, pipe_closed, status_text
+from gitrun.entry import status_text
 from gitrun.integrations import claude_cli
+from gitrun.pipes import leave, output_closed, pipe_closed
 
 app = typer.Typer(
     no_args_is_help=True,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from gitrun import version_text
+from gitrun.pipes import output_closed
 
 if TYPE_CHECKING:
     from gitrun.app.options import Options
@@ -18,8 +19,6 @@ def echo_out(text: str, nl: bool = True) -> None:
     """``text`` on standard output; a reader gone away (``| true``) is no error and
     changes nothing else the command does: its page is still written, its other lines
     still said, its exit status still its own (a failed run's 1, a refused chain's 5)."""
-    from gitrun.entry import output_closed
-
     try:
         typer.echo(text, nl=nl)
     except BrokenPipeError:

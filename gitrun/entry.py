@@ -15,7 +15,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
+
+from gitrun.pipes import leave, output_closed
 
 if TYPE_CHECKING:
     from gitrun.app.status import LeaseStatus, RunStatus, UnreadableLease
@@ -210,37 +212,6 @@ def guarded(fn: Callable[[], int]) -> int:
             file=sys.stderr,
         )
         return 70
-
-
-def output_closed() -> int:
-    """The reader of our output went away (``gitrun log RUN | head``): not an error.
-
-    Later writes and the interpreter's last flush go to /dev/null, so nothing more is
-    printed about it; the exit status is 0, as for ``cat`` under ``head``.
-    """
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):  # no stdout descriptor to replace
-        pass
-    return 0
-
-
-def pipe_closed(exc: BaseException) -> bool:
-    """``exc`` is a write to a closed pipe, or typer's exit 1 for one."""
-    if isinstance(exc, SystemExit):
-        return isinstance(exc.__context__, BrokenPipeError)
-    return isinstance(exc, BrokenPipeError)
-
-
-def leave(code: int) -> NoReturn:
-    """Exit with ``code`` once what is printed is flushed; a closed reader exits 0."""
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:
-        code = output_closed()
-    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
