@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 from typer._click.exceptions import ClickException  # typer vendors click; not re-exported
 
+from gitrun import cli_claude as claude_cli
 from gitrun import cli_view
 from gitrun.app import service, swebench
 from gitrun.app.inputs import refuse_stdin, stdin_agent_spec, stdin_trust_roots
@@ -39,7 +40,6 @@ from gitrun.core import faults
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.core.records import DONE, RunState
 from gitrun.entry import status_text
-from gitrun.integrations import claude_cli
 from gitrun.pipes import leave, output_closed, pipe_closed
 
 app = typer.Typer(

@@ -1,6 +1,6 @@
 """The command-line options several commands share (workspace, key file, worker, lease,
 takeover, trust roots, isolation, remote), defined once: :mod:`gitrun.cli` and the
-commands it registers from other modules (:mod:`gitrun.integrations.claude_cli`) import
+commands it registers from other modules (:mod:`gitrun.cli_claude`) import
 them from here, so that an option reads and checks the same everywhere."""
 
 from __future__ import annotations
