@@ -57,7 +57,10 @@ def claude(
     started = claude_code.start(task_dir, opts, repo_path=repo, run_id=run_id, finish=finish,
                                 socket=socket)  # fmt: skip
     if started.socket is not None:  # the hooks' resident helper: a child of Claude Code's
-        claude_helper.start_beside(started.run_id, opts, started.socket)
+        try:
+            claude_helper.start_beside(started.run_id, opts, started.socket)
+        except OSError as exc:  # the hooks then do the work in-process: slower, the same
+            _say(f"no resident helper for the hooks ({exc.strerror or exc}); they run alone")
     claude_code.launch(started, opts, claude_bin, ctx.args, dry=no_launch)
 
 

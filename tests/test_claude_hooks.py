@@ -378,3 +378,17 @@ def test_a_call_that_changed_nothing_is_one_record_on_the_call_log_and_no_commit
     log = git(repo, "log", f"--format={shown}", "refs/gitrun/runs/c1/calls")
     assert log.splitlines() == ["gitrun: Bash (no change)|toolu_quiet_call|0"]
     assert git(repo, "fsck", "--strict", "--no-dangling").strip() == ""
+
+
+def test_a_session_set_up_without_launching_has_hooks_that_work_alone(
+    run: tuple[Path, Path, Path],
+) -> None:
+    """``--no-launch`` starts no helper: its hooks are the in-process ones, every event
+    Claude Code 2.1.332 sends for a call (PostToolUseFailure for a failed one) included."""
+    ws, _, _ = run
+    hooks = json.loads((ws / "claude" / "c1.settings.json").read_text())["hooks"]
+    assert set(hooks) == {"SessionStart", "PreToolUse", "PostToolUse", "PostToolUseFailure",
+                          "Stop"}  # fmt: skip
+    for entries in hooks.values():
+        argv = shlex.split(entries[0]["hooks"][0]["command"])
+        assert argv[1:4] == ["-m", "gitrun", "hook"]
