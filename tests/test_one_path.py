@@ -76,12 +76,10 @@ def test_the_one_path_check_walks_every_layer_of_the_package() -> None:
 
 
 def test_every_runtime_is_built_by_its_one_factory() -> None:
-    """``runtime.begin`` (a new run) and ``service.build_runtime`` (a stored checkpoint):
-    the product, the benchmarks and the tests build the same runtime."""
-    factories = {("runtime.py", "begin"), ("service.py", "build_runtime")}
-    # the memory-store runtime test resumes over the memory checkpoint log, which
-    # build_runtime (it opens the workspace's git stores) cannot hand it
-    factories.add(("test_runtime_memory.py", "runtime"))
+    """``runtime.begin`` (a new run) and ``runtime.at_checkpoint`` (a stored checkpoint,
+    which ``service.build_runtime`` calls): the product, the benchmarks and the tests
+    build the same runtime."""
+    factories = {("runtime.py", "begin"), ("runtime.py", "at_checkpoint")}
     sources = [*(ROOT / "gitrun").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
     sources += (ROOT / "tests").rglob("*.py")
     builds = {

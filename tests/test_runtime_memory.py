@@ -38,7 +38,7 @@ from gitrun.core.task import Task, load_task
 from gitrun.engine.agents import ScriptAgent
 from gitrun.engine.approvals import Approvals
 from gitrun.engine.recovery import reconcile
-from gitrun.engine.runtime import Runtime, begin
+from gitrun.engine.runtime import Runtime, at_checkpoint, begin
 from gitrun.store import gitstore
 from gitrun.store.checkpoint import CheckpointStore
 from gitrun.store.keys import Keyring
@@ -119,12 +119,10 @@ class World:
             )  # fmt: skip
             self.ref = rt.ref
             return rt
-        ref = self.ref
-        loaded = self.store.load(ref, scenario_parts=PARTS)
-        state = replace(loaded.state, events=())
-        return Runtime(
-            task, env, self.store, ref, self.lease, agent, state, loaded.oid,
-            self.said.append, approvals, "auto",
+        return at_checkpoint(
+            task=task, env=env, store=self.store, ref=self.ref,
+            loaded=self.store.load(self.ref, scenario_parts=PARTS), lease=self.lease,
+            agent=agent, say=self.said.append, approvals=approvals, isolation="auto",
         )  # fmt: skip
 
 

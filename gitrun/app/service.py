@@ -364,26 +364,16 @@ def _resume_under_lease(
 def build_runtime(
     opened: Opened, ref: str, stored: Stored, lease: LeaseManager, agent: ScriptAgent, opts: Options
 ) -> Runtime:
-    """The one factory of a runtime on a verified checkpoint (``gitrun resume``, the
-    benchmarks and the tests alike; a new run's comes from :func:`gitrun.engine.runtime.begin`).
-    Its events are already in the chain: the next checkpoint starts a new batch."""
-    from gitrun.engine.runtime import Runtime
+    """The one factory of a runtime on a verified checkpoint for ``gitrun resume``, the
+    benchmarks and the tests (:func:`gitrun.engine.runtime.at_checkpoint` over the run's
+    stores; a new run's comes from :func:`gitrun.engine.runtime.begin`)."""
+    from gitrun.engine.runtime import at_checkpoint
 
-    return Runtime(
-        opened.task,
-        opened.env,
-        opened.store,
-        ref,
-        lease,
-        agent,
-        replace(stored.state, events=()),
-        stored.oid,
-        opts.say,
-        opts.approvals,
-        opts.isolation,
-        opts.secrets,
-        output_log=opts.output_log,
-    )
+    return at_checkpoint(
+        task=opened.task, env=opened.env, store=opened.store, ref=ref, loaded=stored,
+        lease=lease, agent=agent, say=opts.say, approvals=opts.approvals,
+        isolation=opts.isolation, secrets=opts.secrets, output_log=opts.output_log,
+    )  # fmt: skip
 
 
 def _continue(rt: Runtime, opts: Options) -> RunState:

@@ -24,7 +24,7 @@ from gitrun.adapter.sandbox import CommandCannotStart, Confinement
 from gitrun.adapter.shell import Hidden
 from gitrun.core import faults
 from gitrun.core import machine as m
-from gitrun.core.contracts import CheckpointLog, LeaseStore
+from gitrun.core.contracts import CheckpointLog, LeaseStore, LoadedCheckpoint
 from gitrun.core.errors import EnvironmentDrift, Frozen, GateRejected, GitrunError, ReceiptConflict
 from gitrun.core.records import (
     AWAITING_APPROVAL,
@@ -458,4 +458,27 @@ def begin(
     return Runtime(
         task, env, store, ref, lease, agent, replace(state, events=()), oid, say, approvals,
         isolation, secrets or Secrets(), output_log=output_log,
+    )  # fmt: skip
+
+
+def at_checkpoint(
+    *,
+    task: Task,
+    env: Environment,
+    store: CheckpointLog[Any],
+    ref: str,
+    loaded: LoadedCheckpoint[Any],
+    lease: LeaseStore,
+    agent: ScriptAgent,
+    say: Say,
+    approvals: Approvals,
+    isolation: str | None = None,
+    secrets: Secrets | None = None,
+    output_log: Path | None = None,
+) -> Runtime:
+    """The runtime on a verified checkpoint of ``store`` (``gitrun resume``, any store).
+    Its events are already in the chain: the next checkpoint starts a new batch."""
+    return Runtime(
+        task, env, store, ref, lease, agent, replace(loaded.state, events=()), loaded.oid,
+        say, approvals, isolation, secrets or Secrets(), output_log=output_log,
     )  # fmt: skip
