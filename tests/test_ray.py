@@ -338,3 +338,34 @@ def test_a_ray_address_nothing_answers_at_is_refused_in_seconds_publishing_nothi
     assert "no Ray cluster answers at 127.0.0.1:1" in one_line(done.stderr)
     assert time.monotonic() - started < 30  # ray.init itself would retry it for ever
     assert git(node.remote, "for-each-ref") == ""  # the batch was not published
+
+
+def _fix_median(client: Any) -> None:
+    """A rollout's policy: look, write the fix once (keyed), finish."""
+    client.request("initialize", {"protocol": "gitrun/1", "client": {"name": "t"}})
+    source = client.request("read_file", {"path": "stats/median.py"})["content"]
+    head, _, last = source.rstrip("\n").rpartition("\n")
+    if last == "    return data[mid]":
+        params = {"path": "stats/median.py",
+                  "content": f"{head}\n    return (data[mid - 1] + data[mid]) / 2\n"}  # fmt: skip
+        client.request("write_file", params | {"idempotency_key": "rollout-fix-1"})
+    client.request("finish")
+
+
+def test_a_rollout_run_again_with_its_run_id_writes_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a Ray retry of a rollout does (run_here again, same run id): the run's
+    verdict and its one receipt, never a second write."""
+    from gitrun.integrations.ray_runs import AgentRun, run_here
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    run = AgentRun(str(ROOT / "sandboxes" / "fix-median"), "rollout-1",
+                   workspace=str(tmp_path / "ws"), key_file=str(tmp_path / "k.keyring"),
+                   isolation="none")  # fmt: skip
+    first = run_here(run, _fix_median)
+    again = run_here(run, _fix_median)
+    assert (first.phase, first.passed, first.reward) == ("done", True, 1.0)
+    assert len(first.receipts) == 1
+    assert again.receipts == first.receipts
+    assert again.head == first.head
