@@ -309,35 +309,45 @@ def rollouts(node: Node) -> None:
     ],
 )
 def test_a_wrong_executor_option_is_one_line_and_exit_2(
-    tmp_path: Path, extra: list[str], said: str
+    tmp_path: Path, extra: list[str], said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = [sys.executable, "-m", "gitrun", "swebench", "--dataset", "d.jsonl", "--predictions",
             "gold", "--repos", ".", "--run-id", "r", *extra]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60,
-                          env=hermetic_env(tmp_path / "home"), check=False)  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert said in one_line(done.stderr)
+    code, err = _in_process(hermetic_env(tmp_path / "home"), argv, capsys)
+    assert code == 2, err
+    assert said in one_line(err)
+
+
+def _in_process(
+    env: dict[str, str], argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
+    """``gitrun ARGV`` in this process (no interpreter to start): exit code, stderr."""
+    from gitrun.cli import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        with pytest.raises(SystemExit) as left:
+            main(argv[3:])  # without "python -m gitrun"
+    return int(left.value.code or 0), capsys.readouterr().err
 
 
 @needs_ray
-def test_executor_ray_without_a_remote_is_refused_before_anything_runs(node: Node) -> None:
-    done = node.run(node.argv("nr", "--executor", "ray"))
-    assert done.returncode == 2, done.stderr
-    assert "--remote URL" in one_line(done.stderr)
-    assert not (node.root / "out").exists()
-
-
-@needs_ray
-def test_a_ray_address_nothing_answers_at_is_refused_in_seconds_publishing_nothing(
-    node: Node,
+def test_a_ray_batch_without_a_remote_or_with_a_dead_address_is_refused_publishing_nothing(
+    node: Node, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    code, err = _in_process(node.env(), node.argv("nr", "--executor", "ray"), capsys)
+    assert code == 2, err
+    assert "--remote URL" in one_line(err)
     started = time.monotonic()
-    done = node.run(node.argv("na", "--remote", str(node.remote), "--executor", "ray",
-                              "--ray-address", "127.0.0.1:1"))  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert "no Ray cluster answers at 127.0.0.1:1" in one_line(done.stderr)
+    argv = node.argv("na", "--remote", str(node.remote), "--executor", "ray", "--ray-address",
+                     "127.0.0.1:1")  # fmt: skip
+    code, err = _in_process(node.env(), argv, capsys)
+    assert code == 2, err
+    assert "no Ray cluster answers at 127.0.0.1:1" in one_line(err)
     assert time.monotonic() - started < 30  # ray.init itself would retry it for ever
     assert git(node.remote, "for-each-ref") == ""  # the batch was not published
+    assert not (node.root / "out").exists()
 
 
 def _fix_median(client: Any) -> None:
