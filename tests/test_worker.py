@@ -342,6 +342,10 @@ def test_bad_inputs_to_a_worker_are_one_line_each_with_its_exit_code_and_change_
     ])  # fmt: skip
     assert res.returncode == 2, res.stderr
     assert "batch p on the remote holds another queue" in one_line(res.stderr)
+    # publishing it again with another key: refused, as its workers would refuse it
+    res = node.swebench(world, "p", "--remote", url, "--publish", "--key-file", str(other_key))
+    assert res.returncode == 5, res.stderr
+    assert "inputs of batch p" in one_line(res.stderr)
     assert remote_refs(bare) == before
     # someone with push access but not the key swaps the published predictions: refused
     ref = f"{PREFIX}/p/manifest"

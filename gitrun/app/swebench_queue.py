@@ -76,6 +76,9 @@ class Queue:
             pygit2.init_repository(str(git_dir), bare=True)
         self.repo = pygit2.Repository(str(git_dir))
         self.remote = Remote(url, git_dir)
+        # (run id, commit) -> its entry, checked: a commit never changes, and an idle
+        # worker reads the whole queue every 0.25 s (thousands of done records)
+        self._seen: dict[tuple[str, str], Entry] = {}
 
     def ref(self, rid: str) -> str:
         return f"{PREFIX}/{self.batch}/runs/{rid}"
@@ -106,6 +109,12 @@ class Queue:
         return out
 
     def _entry(self, rid: str, oid: str) -> Entry:
+        known = self._seen.get((rid, oid))
+        if known is None:
+            known = self._seen[(rid, oid)] = self._read_entry(rid, oid)
+        return known
+
+    def _read_entry(self, rid: str, oid: str) -> Entry:
         commit = self.repo[oid].peel(pygit2.Commit)
         try:
             doc = json.loads(commit.message.split("\n\n", 1)[1])

@@ -173,6 +173,7 @@ def publish(
     queue = open_queue(ctx)
     manifest = {"instances": [i.instance_id for i in instances], "submitted": submitted}
     queue.manifest(manifest | {"runs": runs}, inputs)
+    queue.published()  # published before, by another key? the workers would refuse it: exit 5
     return (
         f"batch {req.run_id} published on {remote}: {len(runs)} instance(s) to evaluate, "
         f"{len(instances) - len(runs)} without a prediction to run; start workers with "
