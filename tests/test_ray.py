@@ -72,9 +72,9 @@ class Node:
             "--key-file", str(self.key), "--lease-seconds", LEASE, *extra,
         ]  # fmt: skip
 
-    def on_ray(self, run_id: str) -> list[str]:
+    def on_ray(self, run_id: str, *extra: str) -> list[str]:
         return self.argv(run_id, "--remote", str(self.remote), "--executor", "ray",
-                         "--ray-address", self.address)  # fmt: skip
+                         "--ray-address", self.address, *extra)  # fmt: skip
 
     def run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(argv, capture_output=True, text=True, env=self.env(),
@@ -122,13 +122,24 @@ def node(tmp_path: Path) -> Iterator[Node]:
         shutil.rmtree(made.envs, ignore_errors=True)
 
 
+def _env_resource(node: Node) -> str:
+    """The custom resource naming the instances' test environment (one for all three)."""
+    from gitrun.app.swebench import Request, plan_jobs
+    from gitrun.integrations.ray_batch import env_resource
+
+    _, jobs, _ = plan_jobs(Request(node.dataset, str(node.preds), node.root / "repos", "x"))
+    names = {env_resource(job) for job in jobs}
+    assert len(names) == 1, names
+    return names.pop()
+
+
 @contextlib.contextmanager
 def cluster(node: Node) -> Iterator[None]:
     """A Ray cluster of 2 CPUs on this node (``ray start --head``), started while a
     reference batch runs without Ray (``node.report("ref")``); every process of it killed
     by pid on the way out. One per test module run: all cluster tests are one test (an
     xdist worker each would start one each)."""
-    with ray_head(node.temp, 2, node.env()) as head:
+    with ray_head(node.temp, 2, node.env(), {_env_resource(node): 1}) as head:
         reference = node.run(node.argv("ref", "--max-workers", "2"))  # no remote, no Ray
         assert reference.returncode == 0, reference.stderr
         node.address = head.address()
@@ -219,6 +230,11 @@ def test_on_ray_a_batch_survives_a_killed_worker_and_driver_and_rollouts_get_ver
     node: Node,
 ) -> None:
     with cluster(node):
+        # what no node could run is refused before anything is published
+        more = node.run(node.on_ray("c", "--ray-cpus", "4"))
+        assert more.returncode == 2, more.stderr
+        assert "the Ray cluster has 2 CPUs" in one_line(more.stderr)
+        assert git(node.remote, "for-each-ref", f"{PREFIX}/c") == ""
         batch_with_faults(node)
         rollouts(node)
     # No secret went through Ray: the key's bytes are in no file of the cluster's session
@@ -236,7 +252,8 @@ def batch_with_faults(node: Node) -> None:
     reference = node.report("ref")
     slow = sorted(node.want)[1]
     node.slow_marker.write_text("")
-    first = node.start(node.on_ray("b"), node.root / "first.txt")
+    # each instance asks for its environment's resource, which the node offers
+    first = node.start(node.on_ray("b", "--ray-env-resources"), node.root / "first.txt")
     try:
         # 1. The Ray worker evaluating the slow instance is SIGKILLed during its tests.
         killed = _wait_for("the slow instance's tests", 90, lambda: _testing(slow))
@@ -253,7 +270,7 @@ def batch_with_faults(node: Node) -> None:
         first.wait()
         node.slow_marker.unlink(missing_ok=True)
     _wait_for("Ray to end the dead driver's task", 30, lambda: not alive(retry))
-    again = node.run(node.on_ray("b"))
+    again = node.run(node.on_ray("b", "--ray-env-resources"))
     assert again.returncode == 0, again.stderr
     assert "Traceback" not in again.stderr, again.stderr
     assert f"{slow}: resolved" in again.stderr  # progress as the local batch shows it
