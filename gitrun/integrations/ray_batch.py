@@ -24,6 +24,7 @@ its own file (``--key-file``, the same path on every node).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -67,9 +68,11 @@ def env_resource(job: Job) -> str:
 
 
 def _objects_dir(repo_dir: Path) -> Path:
+    """The object directory of the repository at ``repo_dir`` (its common git dir's)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     done = subprocess.run(
         ["git", "-C", str(repo_dir), "rev-parse", "--path-format=absolute", "--git-common-dir"],
-        capture_output=True, text=True, check=False, env={"PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, check=False, env=env,
     )  # fmt: skip
     if done.returncode != 0:
         raise BadInput(f"{repo_dir} is not a git repository: {done.stderr.strip()[:200]}")
