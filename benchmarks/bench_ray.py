@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,7 @@ def ray(setup: bt.Setup, n: int, run_id: str) -> bt.Timed:
         used = _children_cpu() - cpu + _cluster_cpu(roots) - busy
         if done.returncode != 0:
             raise SystemExit(f"gitrun failed ({done.returncode}): {done.stderr[-800:]}")
+    shutil.rmtree(temp, ignore_errors=True)  # the cluster's session files
     return bt.Timed(wall, used)
 
 

@@ -4,6 +4,7 @@ Ray cluster of the machine, or a kill by name)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -101,13 +102,17 @@ class Head:
 
 
 @contextmanager
-def ray_head(temp: Path, cpus: int, env: dict[str, str]) -> Iterator[Head]:
-    """Start a head node of ``cpus`` CPUs in the background (session files under ``temp``:
-    keep it short, Ray's socket paths must fit); everything it started is killed on exit."""
+def ray_head(
+    temp: Path, cpus: int, env: dict[str, str], resources: dict[str, float] | None = None
+) -> Iterator[Head]:
+    """Start a head node of ``cpus`` CPUs (and custom ``resources``) in the background
+    (session files under ``temp``: keep it short, Ray's socket paths must fit); everything
+    it started is killed on exit."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     starting = subprocess.Popen(
         [ray_cli, "start", "--head", "--num-cpus", str(cpus), "--port", "0", "--temp-dir",
-         str(temp), "--include-dashboard", "false", "--disable-usage-stats"],
+         str(temp), "--include-dashboard", "false", "--disable-usage-stats",
+         "--resources", json.dumps(resources or {})],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True,
         start_new_session=True,
     )  # fmt: skip

@@ -72,9 +72,9 @@ class Node:
             "--key-file", str(self.key), "--lease-seconds", LEASE, *extra,
         ]  # fmt: skip
 
-    def on_ray(self, run_id: str) -> list[str]:
+    def on_ray(self, run_id: str, *extra: str) -> list[str]:
         return self.argv(run_id, "--remote", str(self.remote), "--executor", "ray",
-                         "--ray-address", self.address)  # fmt: skip
+                         "--ray-address", self.address, *extra)  # fmt: skip
 
     def run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(argv, capture_output=True, text=True, env=self.env(),
@@ -122,13 +122,24 @@ def node(tmp_path: Path) -> Iterator[Node]:
         shutil.rmtree(made.envs, ignore_errors=True)
 
 
+def _env_resource(node: Node) -> str:
+    """The custom resource naming the instances' test environment (one for all three)."""
+    from gitrun.app.swebench import Request, plan_jobs
+    from gitrun.integrations.ray_batch import env_resource
+
+    _, jobs, _ = plan_jobs(Request(node.dataset, str(node.preds), node.root / "repos", "x"))
+    names = {env_resource(job) for job in jobs}
+    assert len(names) == 1, names
+    return names.pop()
+
+
 @contextlib.contextmanager
 def cluster(node: Node) -> Iterator[None]:
     """A Ray cluster of 2 CPUs on this node (``ray start --head``), started while a
     reference batch runs without Ray (``node.report("ref")``); every process of it killed
     by pid on the way out. One per test module run: all cluster tests are one test (an
     xdist worker each would start one each)."""
-    with ray_head(node.temp, 2, node.env()) as head:
+    with ray_head(node.temp, 2, node.env(), {_env_resource(node): 1}) as head:
         reference = node.run(node.argv("ref", "--max-workers", "2"))  # no remote, no Ray
         assert reference.returncode == 0, reference.stderr
         node.address = head.address()
@@ -219,6 +230,11 @@ def test_on_ray_a_batch_survives_a_killed_worker_and_driver_and_rollouts_get_ver
     node: Node,
 ) -> None:
     with cluster(node):
+        # what no node could run is refused before anything is published
+        more = node.run(node.on_ray("c", "--ray-cpus", "4"))
+        assert more.returncode == 2, more.stderr
+        assert "the Ray cluster has 2 CPUs" in one_line(more.stderr)
+        assert git(node.remote, "for-each-ref", f"{PREFIX}/c") == ""
         batch_with_faults(node)
         rollouts(node)
     # No secret went through Ray: the key's bytes are in no file of the cluster's session
@@ -236,7 +252,8 @@ def batch_with_faults(node: Node) -> None:
     reference = node.report("ref")
     slow = sorted(node.want)[1]
     node.slow_marker.write_text("")
-    first = node.start(node.on_ray("b"), node.root / "first.txt")
+    # each instance asks for its environment's resource, which the node offers
+    first = node.start(node.on_ray("b", "--ray-env-resources"), node.root / "first.txt")
     try:
         # 1. The Ray worker evaluating the slow instance is SIGKILLed during its tests.
         killed = _wait_for("the slow instance's tests", 90, lambda: _testing(slow))
@@ -253,7 +270,7 @@ def batch_with_faults(node: Node) -> None:
         first.wait()
         node.slow_marker.unlink(missing_ok=True)
     _wait_for("Ray to end the dead driver's task", 30, lambda: not alive(retry))
-    again = node.run(node.on_ray("b"))
+    again = node.run(node.on_ray("b", "--ray-env-resources"))
     assert again.returncode == 0, again.stderr
     assert "Traceback" not in again.stderr, again.stderr
     assert f"{slow}: resolved" in again.stderr  # progress as the local batch shows it
@@ -309,32 +326,73 @@ def rollouts(node: Node) -> None:
     ],
 )
 def test_a_wrong_executor_option_is_one_line_and_exit_2(
-    tmp_path: Path, extra: list[str], said: str
+    tmp_path: Path, extra: list[str], said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = [sys.executable, "-m", "gitrun", "swebench", "--dataset", "d.jsonl", "--predictions",
             "gold", "--repos", ".", "--run-id", "r", *extra]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60,
-                          env=hermetic_env(tmp_path / "home"), check=False)  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert said in one_line(done.stderr)
+    code, err = _in_process(hermetic_env(tmp_path / "home"), argv, capsys)
+    assert code == 2, err
+    assert said in one_line(err)
+
+
+def _in_process(
+    env: dict[str, str], argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
+    """``gitrun ARGV`` in this process (no interpreter to start): exit code, stderr."""
+    from gitrun.cli import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        with pytest.raises(SystemExit) as left:
+            main(argv[3:])  # without "python -m gitrun"
+    return int(left.value.code or 0), capsys.readouterr().err
 
 
 @needs_ray
-def test_executor_ray_without_a_remote_is_refused_before_anything_runs(node: Node) -> None:
-    done = node.run(node.argv("nr", "--executor", "ray"))
-    assert done.returncode == 2, done.stderr
-    assert "--remote URL" in one_line(done.stderr)
+def test_a_ray_batch_without_a_remote_or_with_a_dead_address_is_refused_publishing_nothing(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _in_process(node.env(), node.argv("nr", "--executor", "ray"), capsys)
+    assert code == 2, err
+    assert "--remote URL" in one_line(err)
+    started = time.monotonic()
+    argv = node.argv("na", "--remote", str(node.remote), "--executor", "ray", "--ray-address",
+                     "127.0.0.1:1")  # fmt: skip
+    code, err = _in_process(node.env(), argv, capsys)
+    assert code == 2, err
+    assert "no Ray cluster answers at 127.0.0.1:1" in one_line(err)
+    assert time.monotonic() - started < 30  # ray.init itself would retry it for ever
+    assert git(node.remote, "for-each-ref") == ""  # the batch was not published
     assert not (node.root / "out").exists()
 
 
-@needs_ray
-def test_a_ray_address_nothing_answers_at_is_refused_in_seconds_publishing_nothing(
-    node: Node,
+def _fix_median(client: Any) -> None:
+    """A rollout's policy: look, write the fix once (keyed), finish."""
+    client.request("initialize", {"protocol": "gitrun/1", "client": {"name": "t"}})
+    source = client.request("read_file", {"path": "stats/median.py"})["content"]
+    head, _, last = source.rstrip("\n").rpartition("\n")
+    if last == "    return data[mid]":
+        params = {"path": "stats/median.py",
+                  "content": f"{head}\n    return (data[mid - 1] + data[mid]) / 2\n"}  # fmt: skip
+        client.request("write_file", params | {"idempotency_key": "rollout-fix-1"})
+    client.request("finish")
+
+
+def test_a_rollout_run_again_with_its_run_id_writes_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    started = time.monotonic()
-    done = node.run(node.argv("na", "--remote", str(node.remote), "--executor", "ray",
-                              "--ray-address", "127.0.0.1:1"))  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert "no Ray cluster answers at 127.0.0.1:1" in one_line(done.stderr)
-    assert time.monotonic() - started < 30  # ray.init itself would retry it for ever
-    assert git(node.remote, "for-each-ref") == ""  # the batch was not published
+    """What a Ray retry of a rollout does (run_here again, same run id): the run's
+    verdict and its one receipt, never a second write."""
+    from gitrun.integrations.ray_runs import AgentRun, run_here
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    run = AgentRun(str(ROOT / "sandboxes" / "fix-median"), "rollout-1",
+                   workspace=str(tmp_path / "ws"), key_file=str(tmp_path / "k.keyring"),
+                   isolation="none")  # fmt: skip
+    first = run_here(run, _fix_median)
+    again = run_here(run, _fix_median)
+    assert (first.phase, first.passed, first.reward) == ("done", True, 1.0)
+    assert len(first.receipts) == 1
+    assert again.receipts == first.receipts
+    assert again.head == first.head

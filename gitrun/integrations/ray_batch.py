@@ -24,6 +24,7 @@ its own file (``--key-file``, the same path on every node).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -33,11 +34,13 @@ from typing import Any
 
 from filelock import FileLock
 
+from gitrun.app import swebench_env
 from gitrun.app.swebench_queue import CLAIMED, DONE, Entry, Queue
 from gitrun.app.swebench_remote import Heartbeat, Pool, Shared, open_queue, write_logs
 from gitrun.app.swebench_repos import find_repo
 from gitrun.app.swebench_run import EMPTY, Context, Job, gitrun_run_id, log_dir
 from gitrun.app.workspace import Workspace
+from gitrun.core.codec import digest
 from gitrun.core.errors import BadInput, Exit, GitrunError
 from gitrun.integrations.ray_cluster import connected, node_name, require_ray
 
@@ -55,16 +58,21 @@ class OnNode(GitrunError):
         self.exit_code = exit_code
 
 
-def env_resource(ctx: Context, job: Job) -> str:
-    """The custom Ray resource naming the environment ``job`` runs in (its spec's digest,
-    as in the instance's gitrun run id): give it to the nodes that have it built."""
-    return "gitrun-env-" + gitrun_run_id(ctx, job)[1]["environment"].split(":")[-1][:12]
+def env_resource(job: Job) -> str:
+    """The custom Ray resource naming the test environment ``job`` runs in: the digest of
+    what the environment is built from (its spec, the repository and version, the base
+    commit where the spec installs the repository), as the environment cache names it.
+    Give it to the nodes that have that environment built."""
+    built = swebench_env.env_spec(job.spec, job.inst, job.inst.base_commit)
+    return "gitrun-env-" + digest(built).split(":")[-1][:12]
 
 
 def _objects_dir(repo_dir: Path) -> Path:
+    """The object directory of the repository at ``repo_dir`` (its common git dir's)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     done = subprocess.run(
         ["git", "-C", str(repo_dir), "rev-parse", "--path-format=absolute", "--git-common-dir"],
-        capture_output=True, text=True, check=False, env={"PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, check=False, env=env,
     )  # fmt: skip
     if done.returncode != 0:
         raise BadInput(f"{repo_dir} is not a git repository: {done.stderr.strip()[:200]}")
@@ -138,7 +146,7 @@ class RayExecutor:
     env_resources: bool = False  # each instance also asks for its environment's resource
     retries: int = 3  # Ray's retries of a task whose worker died
 
-    def placement(self, ctx: Context, job: Job) -> dict[str, Any]:
+    def placement(self, job: Job) -> dict[str, Any]:
         """The Ray options of ``job``'s task: its name, resources and retries."""
         opts: dict[str, Any] = {
             "name": TASK_PREFIX + job.inst.instance_id,
@@ -147,7 +155,7 @@ class RayExecutor:
             "retry_exceptions": False,  # a gitrun error is an answer, not a crash
         }
         if self.env_resources:
-            opts["resources"] = {env_resource(ctx, job): 0.001}
+            opts["resources"] = {env_resource(job): 0.001}
         return opts
 
     def __call__(self, ctx: Context, jobs: list[Job], manifest: dict[str, Any], workers: int,
@@ -171,12 +179,12 @@ class RayExecutor:
             watch.take_in(queue.manifest(queue_doc))  # the report from the remote alone
             return watch.results
         with connected(self.address, workers, WHAT) as ray:  # refused before publishing
-            self._check_resources(ray, ctx, list(runs.values()))
+            self._check_resources(ray, list(runs.values()))
             entries = queue.manifest(queue_doc)
             watch.take_in(entries)
             task = ray.remote(settle)
             pending = {
-                task.options(**self.placement(ctx, job)).remote(ctx, job, rid): rid
+                task.options(**self.placement(job)).remote(ctx, job, rid): rid
                 for rid, job in sorted(runs.items())
                 if not watch.landed(entries.get(rid))
             }
@@ -224,7 +232,7 @@ class RayExecutor:
                 "remote: run the same command again to continue the batch"
             ) from exc
 
-    def _check_resources(self, ray: Any, ctx: Context, jobs: list[Job]) -> None:
+    def _check_resources(self, ray: Any, jobs: list[Job]) -> None:
         """Refuse up front what no node could ever run (Ray would wait for it forever)."""
         have = ray.cluster_resources()
         if float(have.get("CPU", 0)) < self.cpus:
@@ -234,7 +242,7 @@ class RayExecutor:
             )
         if not self.env_resources:
             return
-        needed = {env_resource(ctx, j): j.inst.env_key for j in jobs}
+        needed = {env_resource(j): j.inst.env_key for j in jobs}
         missing = sorted(n for n in needed if n not in have)
         if missing:
             names = ", ".join(f"{n} ({needed[n]})" for n in missing[:5])

@@ -22,11 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gitrun.core.errors import BadInput
 from gitrun.integrations.ray_cluster import connected, node_name, require_ray
 from gitrun.integrations.session_client import SessionClient, SessionOptions
+
+if TYPE_CHECKING:
+    from gitrun.app.opening import Options
 
 Session = Callable[[SessionClient], object]  # the agent: drives the run through its session
 
@@ -79,7 +82,7 @@ def run_here(run: AgentRun, session: Session | None = None) -> RunOutcome:
     if session is None:
         service.start(Path(run.task_dir), opts, repo_path=Path(run.repo) if run.repo else None,
                       agent_spec=run.agent, run_id=run.run_id)  # fmt: skip
-    else:
+    elif not _finished(run.run_id, opts):  # a retry of a finished rollout: its outcome
         client = SessionClient(SessionOptions(
             Path(run.task_dir), run.run_id, repo=Path(run.repo) if run.repo else None,
             workspace=workspace, key_file=key_file, lease_seconds=run.lease_seconds,
@@ -90,6 +93,18 @@ def run_here(run: AgentRun, session: Session | None = None) -> RunOutcome:
         finally:
             client.close()
     return _outcome(service.status(run.run_id, opts).as_dict())
+
+
+def _finished(run_id: str, opts: Options) -> bool:
+    """Whether this workspace holds run ``run_id`` ended (done or failed)."""
+    from gitrun.app import service
+    from gitrun.core.errors import UnknownRun
+    from gitrun.core.records import TERMINAL
+
+    try:
+        return service.status(run_id, opts).phase in TERMINAL
+    except UnknownRun:
+        return False
 
 
 def _outcome(info: dict[str, Any]) -> RunOutcome:
