@@ -93,16 +93,20 @@ def settings_path(opts: Options, run_id: str) -> Path:
 def hook_command(event: str, run_id: str, opts: Options, *, finish: bool = False) -> str:
     """The shell line Claude Code runs for ``event``: this Python, this workspace.
 
-    ``-I``: Claude Code runs hooks in the worktree, and ``python -m`` would put it first on
-    ``sys.path``: a ``gitrun/`` package there (the model's, or the repository's own) would
-    be imported instead of gitrun (tests/test_attack_claude.py). Isolated mode leaves the
-    working directory and ``PYTHON*`` variables out."""
-    argv = [sys.executable, "-I", "-m", "gitrun", "hook", event, "--run", run_id,
+    ``-P -E``: Claude Code runs hooks in the worktree, and ``python -m`` would put it first
+    on ``sys.path``: a ``gitrun/`` package there (the model's, or the repository's own)
+    would be imported instead of gitrun (tests/test_attack_claude.py). ``-P`` leaves the
+    working directory out and ``-E`` the ``PYTHON*`` variables (``-I`` would also drop the
+    user site, where ``pip install --user`` puts gitrun: a hook that cannot import gitrun
+    exits 1, which Claude Code does not take as a refusal)."""
+    argv = [sys.executable, "-P", "-E", "-m", "gitrun", "hook", event, "--run", run_id,
             "--workspace", str(opts.workspace.root)]  # fmt: skip
     if opts.workspace.key_file != opts.workspace.root / "keys" / "checkpoint.keyring":
         argv += ["--key-file", str(opts.workspace.key_file)]
     if finish:
         argv.append("--finish")
+    if event == "pre-tool-use":  # only exit 2 blocks: an interpreter that cannot start must too
+        return f"{shlex.join(argv)} || exit {BLOCK}"
     return shlex.join(argv)
 
 
