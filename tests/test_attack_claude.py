@@ -309,7 +309,7 @@ def test_a_gitrun_package_in_the_worktree_does_not_take_the_hooks_over(
     working directory first on ``sys.path``, so a ``gitrun/`` package there (one the
     model writes, or simply the repository's own: gitrun's, a fork's) WAS gitrun for
     every later hook. A two-line ``gitrun/__main__.py`` exiting 0 let a forbidden write
-    through, unrecorded. The hooks now run ``python -I``: the installed gitrun only."""
+    through, unrecorded. The hooks now run ``python -P -E``: the installed gitrun only."""
     task = tmp_path / "task"
     task.mkdir()
     (task / "task.toml").write_text(FORBIDDING_TASK)
@@ -357,3 +357,29 @@ def test_git_worktree_prune_from_the_models_shell_does_not_end_the_run(
     assert b"lost its git admin dir" in post.stderr  # said as it is, not "no longer exists"
     nxt = _hook(ws, "pre-tool-use", _bash("toolu_after_prune"))
     assert nxt.returncode == 0, nxt.stderr
+
+
+def test_a_pre_tool_use_hook_whose_python_cannot_start_blocks_the_call(
+    claude_bin: Path, repo: Path, tmp_path: Path
+) -> None:
+    """Claude Code blocks a call only on a hook's exit 2; any other failure lets the call
+    run. A hook whose interpreter is gone (the venv gitrun was installed in removed or
+    rebuilt under a live session) exited 127 and every call ran unrecorded. The
+    pre-tool-use line now turns any exit but 0 into 2."""
+    ws = tmp_path / "ws"
+    env = {**os.environ, "GITRUN_HOME": str(ws)}
+    made = subprocess.run([*GITRUN, "claude", "--repo", str(repo), "--run-id", "v1",
+                           "--no-launch"], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    settings = ws / "claude" / "v1.settings.json"
+    settings.write_text(settings.read_text().replace(sys.executable, str(tmp_path / "gone")))
+    wt = ws / "worktrees" / "v1"
+    script = Script([("Write", {"file_path": f"{wt}/unrecorded.txt", "content": "x\n"})])
+    argv = [str(claude_bin), "--settings", str(settings), "-p", "work on it",
+            "--allowedTools", ALLOWED, "--permission-mode", "acceptEdits"]  # fmt: skip
+    with standin(script) as url:
+        cenv = claude_env(url, tmp_path / "claude-home", {"GITRUN_HOME": str(ws)})
+        subprocess.run(argv, env=cenv, cwd=wt, stdin=subprocess.DEVNULL, capture_output=True,
+                       text=True, timeout=300, check=False)  # fmt: skip
+    assert not (wt / "unrecorded.txt").exists(), script.results()

@@ -18,7 +18,13 @@ from pathlib import Path
 from gitrun.adapter.gittypes import Repository, blob_data, peel_tree, tree_of
 from gitrun.core.errors import BadInput, GitrunError
 from gitrun.core.patch import apply_file_patch, parse_patch
-from gitrun.core.runner_files import SECTION_SUFFIXES, command_paths, runner_reason
+from gitrun.core.runner_files import (
+    SECTION_SUFFIXES,
+    SHADOW_DIRS,
+    command_paths,
+    runner_reason,
+    shadowing_module,
+)
 
 STRICT = "strict"
 RECOUNT = "recount"
@@ -127,6 +133,7 @@ def runner_changes(
     ``reference`` (the base with the test patch): :func:`gitrun.core.runner_files.runner_reason`
     over the trees themselves, never over patch text."""
     named = command_paths(test_cmd)
+    present = _modules_at(repo, reference)
     found = []
     for path, old_id, new_id in _changed(Path(repo.path), reference, tree):
 
@@ -136,9 +143,27 @@ def runner_changes(
             return blob_data(repo, oid)
 
         why = runner_reason(path, blob(old_id), blob(new_id), named)
+        shadowed = shadowing_module(path, present) if old_id is None and why is None else None
+        if shadowed is not None:
+            why = f"a new module {shadowed!r} ahead of the standard library and the runner"
         if why is not None:
             found.append((path, why))
     return tuple(found)
+
+
+def _modules_at(repo: pygit2.Repository, reference: str) -> set[tuple[str, str]]:
+    """(directory, module name) of every entry of ``reference`` at the root and in ``src/``."""
+    root = repo[reference].peel(pygit2.Tree)
+    found: set[tuple[str, str]] = set()
+    for where in SHADOW_DIRS:
+        tree: pygit2.Tree | None = root
+        if where:
+            name = where.rstrip("/")
+            tree = next((repo[e.id].peel(pygit2.Tree) for e in root
+                         if e.name == name and e.type_str == "tree"), None)  # fmt: skip
+        if tree is not None:
+            found |= {(where, (e.name or "").partition(".")[0]) for e in tree}
+    return found
 
 
 def with_test_patch(

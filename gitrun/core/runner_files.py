@@ -25,7 +25,13 @@ its old and new bytes) is such a file, and why:
   at start-up (``pytest``, ``_pytest``, ``pluggy``, ...): ``python -m pytest`` puts the
   working directory first on ``sys.path``, so it would run instead of the real one;
 - the files the test command itself names (``./tests/runtests.py``), and ``tox.ini``
-  when it runs ``tox``.
+  when it runs ``tox``;
+- (:func:`shadowing_module`) a module or package *new* at the tree's root or in
+  ``src/`` named like a standard-library module or the runner's: when the spec installs
+  the repository both directories come first on ``PYTHONPATH``, ahead of the standard
+  library and site-packages, so ``src/pytest.py`` or a root ``argparse.py`` would be
+  imported by pytest itself before it runs anything (gitrun/app/swebench_run.py). A
+  module the reference tree already has there is the repository's own code.
 
 The INI reading follows iniconfig (``_parse.py``), the parser pytest uses, line for
 line; section names are matched ignoring case and surrounding space, a superset of
@@ -35,15 +41,18 @@ what pytest reads.
 from __future__ import annotations
 
 import shlex
+import sys
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 __all__ = [
     "RUNNER_MODULES",
     "SECTION_SUFFIXES",
+    "SHADOW_DIRS",
     "command_paths",
     "pytest_sections",
     "runner_reason",
+    "shadowing_module",
 ]
 
 _ALWAYS_CONFIG = frozenset({"pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini"})
@@ -63,6 +72,30 @@ RUNNER_MODULES = frozenset(
         "xdist", "execnet", "gitrun_verdict",
     }
 )  # fmt: skip
+
+
+SHADOW_DIRS = ("", "src/")  # on PYTHONPATH first when the repository is installed
+_SHADOWABLE = frozenset(sys.stdlib_module_names) | RUNNER_MODULES
+
+
+def shadowing_module(path: str, present: Collection[tuple[str, str]]) -> str | None:
+    """The module name a path *added* at the root or in ``src/`` makes importable ahead of
+    the standard library and the runner (``argparse.py``, ``src/pytest.py``,
+    ``src/_pytest/__init__.py``, an extension module), or None. ``present``: (directory,
+    module name) of what the reference tree already has there (``("src/", "flask")``):
+    the repository's own modules are its code, not a shadow."""
+    for where in SHADOW_DIRS:
+        if not path.startswith(where):
+            continue
+        parts = path[len(where) :].split("/")
+        if len(parts) == 1:
+            name, _, suffix = parts[0].partition(".")
+            module = suffix == "py" or suffix.endswith(("so", "pyd"))
+        else:
+            name, module = parts[0], parts[1:] == ["__init__.py"]
+        if module and name in _SHADOWABLE and (where, name) not in present:
+            return name
+    return None
 
 
 def runner_reason(

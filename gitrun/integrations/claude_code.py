@@ -97,11 +97,14 @@ def hook_command(
     """The shell line Claude Code runs for ``event``: this Python, this workspace; with a
     resident helper's ``socket``, the small client that asks it (claude_hookclient.py).
 
-    ``-I``: Claude Code runs hooks in the worktree, and ``python -m`` would put it first on
-    ``sys.path``: a ``gitrun/`` package there (the model's, or the repository's own) would
-    be imported instead of gitrun (tests/test_attack_claude.py). Isolated mode leaves the
-    working directory and ``PYTHON*`` variables out."""
-    head = [sys.executable, "-I", "-m", "gitrun", "hook"]
+    ``-P -E``: Claude Code runs hooks in the worktree, and ``python -m`` would put it first
+    on ``sys.path``: a ``gitrun/`` package there (the model's, or the repository's own)
+    would be imported instead of gitrun (tests/test_attack_claude.py). ``-P`` leaves the
+    working directory out and ``-E`` the ``PYTHON*`` variables (``-I`` would also drop the
+    user site, where ``pip install --user`` puts gitrun: a hook that cannot import gitrun
+    exits 1, which Claude Code does not take as a refusal). The client imports only the
+    standard library, so ``-I -S`` suits it."""
+    head = [sys.executable, "-P", "-E", "-m", "gitrun", "hook"]
     if socket is not None:
         head = [sys.executable, "-I", "-S", str(CLIENT), str(socket)]
     argv = [*head, event, "--run", run_id, "--workspace", str(opts.workspace.root)]
@@ -109,6 +112,8 @@ def hook_command(
         argv += ["--key-file", str(opts.workspace.key_file)]
     if finish:
         argv.append("--finish")
+    if event == "pre-tool-use":  # only exit 2 blocks: an interpreter that cannot start must too
+        return f"{shlex.join(argv)} || exit {BLOCK}"
     return shlex.join(argv)
 
 

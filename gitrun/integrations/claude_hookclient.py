@@ -85,7 +85,8 @@ def in_process(args: list[str], raw: bytes) -> int:
     """``python -m gitrun hook ARGS`` with the same input: the hook without a helper."""
     import subprocess
 
-    argv = [sys.executable, "-m", "gitrun", "hook", *args]
+    # -P -E: run in the worktree, `-m` would import a gitrun/ package planted there first
+    argv = [sys.executable, "-P", "-E", "-m", "gitrun", "hook", *args]
     return subprocess.run(argv, input=raw, check=False).returncode
 
 
