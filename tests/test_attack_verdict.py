@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import Gitrun
-from test_swebench_verdict import envs, prediction, reset_paths, world  # noqa: F401 - fixtures
+from test_swebench_verdict import prediction, reset_paths
 from test_swebench_verdict import run as swebench_run
 
 from gitrun.core.runner_files import shadowing_module
@@ -103,7 +103,7 @@ console_main()  # whoever imports "pytest" first (pytest's own _pytest modules) 
 
 
 @pytest.fixture
-def installing_world(world: Path) -> Path:  # noqa: F811 - the imported fixture
+def installing_world(world: Path) -> Path:
     """The SWE-bench world, its fix-median spec installing the repository (as most real
     specs do: ``pip install -e .``): the tested tree and its ``src/`` come first on
     ``PYTHONPATH`` then."""

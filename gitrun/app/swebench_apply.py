@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gitrun.adapter.gittypes import Repository, blob_data, peel_tree, tree_of
+from gitrun.adapter.gittypes import Repository, Tree, blob_data, peel_tree, tree_of
 from gitrun.core.errors import BadInput, GitrunError
 from gitrun.core.patch import apply_file_patch, parse_patch
 from gitrun.core.runner_files import (
@@ -151,15 +151,15 @@ def runner_changes(
     return tuple(found)
 
 
-def _modules_at(repo: pygit2.Repository, reference: str) -> set[tuple[str, str]]:
+def _modules_at(repo: Repository, reference: str) -> set[tuple[str, str]]:
     """(directory, module name) of every entry of ``reference`` at the root and in ``src/``."""
-    root = repo[reference].peel(pygit2.Tree)
+    root = peel_tree(repo, reference)
     found: set[tuple[str, str]] = set()
     for where in SHADOW_DIRS:
-        tree: pygit2.Tree | None = root
+        tree: Tree | None = root
         if where:
             name = where.rstrip("/")
-            tree = next((repo[e.id].peel(pygit2.Tree) for e in root
+            tree = next((peel_tree(repo, e.id) for e in root
                          if e.name == name and e.type_str == "tree"), None)  # fmt: skip
         if tree is not None:
             found |= {(where, (e.name or "").partition(".")[0]) for e in tree}
