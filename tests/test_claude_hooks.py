@@ -236,12 +236,13 @@ def asked(
     ws: Path, sock: Path, event: str, tool: str, key: str, tool_input: dict[str, object],
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[bytes]:  # fmt: skip
-    """One hook as Claude Code runs it in a ``gitrun claude`` session: the small client."""
+    """One hook as Claude Code runs it in a ``gitrun claude`` session (a shell line): the
+    small client."""
     name = {"pre-tool-use": "PreToolUse", "post-tool-use": "PostToolUse"}[event]
     data = {"session_id": "s-1", "hook_event_name": name, "tool_name": tool,
             "tool_input": tool_input, "tool_use_id": key,
             "tool_response": {"stdout": "", "stderr": "", "interrupted": False}}  # fmt: skip
-    argv = shlex.split(hook_command(event, "c1", cli_options(ws, None), socket=sock))
+    argv = ["sh", "-c", hook_command(event, "c1", cli_options(ws, None), socket=sock)]
     return subprocess.run(argv, input=json.dumps(data).encode(), capture_output=True,
                           env={**os.environ, **(env or {})}, timeout=120, check=False)  # fmt: skip
 
@@ -391,4 +392,4 @@ def test_a_session_set_up_without_launching_has_hooks_that_work_alone(
                           "Stop"}  # fmt: skip
     for entries in hooks.values():
         argv = shlex.split(entries[0]["hooks"][0]["command"])
-        assert argv[1:4] == ["-m", "gitrun", "hook"]
+        assert argv[1:6] == ["-P", "-E", "-m", "gitrun", "hook"]
