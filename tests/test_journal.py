@@ -230,7 +230,8 @@ from gitrun.store import gitstore
 repo = gitstore.open_repo(sys.argv[1])
 blob = repo.create_blob(sys.argv[2].encode())
 if sys.argv[3:] == ["move"]:
-    gitstore.update_ref(repo, "refs/gitrun/" + str(blob)[:8], None, blob, message="t")
+    name = "refs/gitrun/" + str(blob)[:8]
+    gitstore.transaction(repo).move(name, None, blob, message="t").commit()
 print(blob)
 """
 

@@ -125,7 +125,7 @@ first, n = epoch(), 0
 while epoch() == first:
     blob = repo.create_blob(b"rotate %d\\n" % n)
     old = gitstore.read_ref(repo, "refs/gitrun/rotate")
-    gitstore.update_ref(repo, "refs/gitrun/rotate", old, blob, message="rotate")
+    gitstore.transaction(repo).move("refs/gitrun/rotate", old, blob, message="rotate").commit()
     n += 1
 """
 

@@ -230,7 +230,9 @@ def _sandbox_base(repo: pygit2.Repository, task: Task) -> pygit2.Oid:
     tree = trees.tree_from_dir(repo, Path(task.initial.repo_dir))
     base = trees.deterministic_commit(repo, tree, task.initial.message, [])
     if gitstore.read_ref(repo, "refs/heads/main") is None:
-        gitstore.update_ref(repo, "refs/heads/main", None, base, message="gitrun: sandbox base")
+        gitstore.transaction(repo).move(
+            "refs/heads/main", None, base, message="gitrun: sandbox base"
+        ).commit()
         repo.checkout("refs/heads/main")
     return base
 

@@ -3,10 +3,10 @@
 docs/design.md §4 makes the intent (checkpoint ``g+1``, the pending action) durable before
 the write. For a write of files that order needs no sync of its own: the intent's
 checkpoint commit is written when the step is proposed, and its ref moves in the same
-ref transaction as the write's branch move (:class:`gitrun.store.refmove.Lead`): one
-journal record holds both commits and both refs, one ``fdatasync`` makes them durable,
-and the checkpoint ref is renamed before the branch. So every state a crash can leave
-is one the step protocol already covers:
+transaction as the write's branch move (:class:`gitrun.store.refmove.Transaction`, its
+two ordered moves): one journal record holds both commits and both refs, one
+``fdatasync`` makes them durable, and the checkpoint ref is renamed before the branch.
+So every state a crash can leave is one the step protocol already covers:
 
 - killed before that record: nothing of the step is durable (window 1: the agent is
   asked again, the step re-proposed under a fresh key);
@@ -58,11 +58,10 @@ class Rider:
 
     def start(self, prepared: Prepared) -> None:
         self.prepared = prepared
-        prepared.lead.on_moved = self.say_held  # "intent K: ..." the moment it is durable
 
     def hold(self, line: str) -> bool:
         """Keep ``line`` until the riding intent is durable; False when none rides."""
-        if self.prepared is None or self.prepared.lead.moved:
+        if self.prepared is None or self.prepared.moved:
             return False
         self._held.append(line)
         return True
@@ -100,8 +99,8 @@ def land(rt: Runtime) -> None:
     try:
         rt.store.land(prepared, rt.lease.fence)
     finally:
-        rt.rider.say_held(durable=prepared.lead.moved)
-    rt.checkpoint = prepared.lead.move.new
+        rt.rider.say_held(durable=prepared.moved)
+    rt.checkpoint = prepared.oid
     rt.lease.maybe_renew(rt.state.generation)
 
 

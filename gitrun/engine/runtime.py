@@ -127,7 +127,8 @@ class Runtime:
             now=now,
         )
         if self.rider.proposing and riding.may_ride(self, nxt):
-            self.rider.start(self.store.prepare(self.ref, nxt, self.checkpoint, riding.AFTER))
+            prepared = self.store.prepare(self.ref, nxt, self.checkpoint, fence, riding.AFTER)
+            self.rider.start(prepared)
         else:
             self.checkpoint = self.store.advance(self.ref, nxt, self.checkpoint, fence)
         self._segment_start = now
@@ -243,11 +244,11 @@ class Runtime:
         shell = self.exec_context() if p.action.kind == EXEC else tool
         if shell is not None:
             self.land()  # a command's intent is durable before it starts
-        lead = self.rider.prepared.lead if self.rider.prepared is not None else None
+        txn = self.rider.prepared.txn if self.rider.prepared is not None else None
         try:
             outcome = self.env.execute(
                 p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval,
-                shell=shell, lead=lead,
+                shell=shell, txn=txn,
             )  # fmt: skip
         except ReceiptConflict as conflict:
             self.conflict(conflict.receipt)

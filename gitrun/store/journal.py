@@ -1,6 +1,6 @@
 """The repository's write-ahead journal: one ``fdatasync`` makes a ref move durable.
 
-Every ref move gitrun makes (:func:`gitrun.store.gitstore.update_ref`) writes one
+Every ref move gitrun makes (:class:`gitrun.store.refmove.Transaction`) writes one
 *record* here before the move's commit point: the bytes of every new object the new value
 reaches (the raw loose-object files, as git would keep them) and the ref's new value.
 One ``pwrite`` and one ``fdatasync`` of this preallocated file make all of it durable;

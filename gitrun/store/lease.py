@@ -127,7 +127,7 @@ def fenced(repo: pygit2.Repository, run_id: str, fence: Fence) -> Iterator[None]
     Every change of the lease (a takeover's acquire included) takes that same lock, so
     what the block writes (the worktree's instance id, the registry) lands before any
     new owner holds the run, or not at all: a stale worker gets :class:`LeaseLost`.
-    Inside the block no ``update_ref`` may fence on the lease (its lock is ours).
+    Inside the block no transaction may guard on the lease (its lock is ours).
     """
     ref = lease_ref(run_id)
     with gitstore.os_locks(repo, [ref]):
@@ -194,14 +194,9 @@ class LeaseManager:
 
     def _write(self, lease: Lease, expected: pygit2.Oid | None, what: str) -> None:
         oid = gitstore.write_blob(self.repo, canonical_bytes(encode(lease)))
-        gitstore.update_ref(
-            self.repo,
-            lease_ref(self.run_id),
-            expected,
-            oid,
-            message=f"gitrun lease {what}",
-            what=what,
-        )
+        gitstore.transaction(self.repo).move(
+            lease_ref(self.run_id), expected, oid, message=f"gitrun lease {what}", what=what
+        ).commit()
         self.lease, self._oid = lease, oid
 
     def acquire(

@@ -192,7 +192,9 @@ class RemoteSite:
             if current == new:
                 continue
             try:
-                gitstore.update_ref(self.repo, update.ref, current, new, message="gitrun remote")
+                gitstore.transaction(self.repo).move(
+                    update.ref, current, new, message="gitrun remote"
+                ).commit()
             except CasFailed:
                 continue  # another process of this machine cached a newer value
 
@@ -384,12 +386,12 @@ class RemoteReceiptLog(GitReceiptLog):
         fence: Fence,
         *,
         guards: Sequence[gitstore.Guard] = (),
-        lead: object = None,
+        txn: gitstore.Transaction | None = None,
     ) -> Appended:
         """Push the branch from ``expected`` to ``write`` with its index entry, an exec's
         output ref and the lease move, in one atomic push (see
-        :class:`gitrun.core.contracts.ReceiptStore`); no intent rides with it (``lead``)."""
-        if lead is not None:
+        :class:`gitrun.core.contracts.ReceiptStore`); no local transaction rides with it."""
+        if txn is not None:
             raise GitrunError("a --remote run's intent checkpoint cannot ride with its write")
 
         def plan() -> tuple[list[Update], Appended]:
