@@ -204,8 +204,8 @@ from pathlib import Path
 from gitrun.core import faults
 from gitrun.store import journal, journal_recovery
 cdir = Path({str(cdir)!r})
-assert journal.usable(cdir)
-with journal.recording(cdir, [({good_id!r}, {good!r}), ({bad_id!r}, {other!r})], [
+assert journal.of(cdir).usable()
+with journal.of(cdir).recording([({good_id!r}, {good!r}), ({bad_id!r}, {other!r})], [
     journal.RefEntry("refs/gitrun/ok", {good_id!r}, None, "t"),
     journal.RefEntry("refs/../../escape", {good_id!r}, None, "t"),
     journal.RefEntry("HEAD", {good_id!r}, None, "t"),

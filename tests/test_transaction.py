@@ -27,9 +27,9 @@ INDEX = "refs/gitrun/runs/r/receipts/k-1"
 
 
 @pytest.fixture
-def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> pygit2.Repository:
-    for name, value in BOOT.items():
-        monkeypatch.setenv(name, value)
+def repo(tmp_path: Path) -> pygit2.Repository:
+    # This process's own boot id: it is read once per process, and the CLI processes of
+    # later tests run under the real one (a test boot id here would look like a reboot).
     path = tmp_path / "repo"
     git(tmp_path, "init", "-q", str(path))
     return gitstore.open_repo(path)
@@ -138,3 +138,35 @@ def test_an_index_entry_alone_is_compared_afresh_and_set_again_when_moved_behind
     git(Path(repo.workdir), "update-ref", INDEX, str(theirs))  # moved behind its back
     gitstore.transaction(repo).index(INDEX, mine).commit()  # compares afresh: no error
     assert gitstore.read_ref(repo, INDEX) == mine
+
+
+def test_a_forked_child_commits_through_its_own_journal_handle(tmp_path: Path) -> None:
+    """No fork hook: the per-repository journal knows the process it is for, and a forked
+    child (its parent mid-use, a thread of it holding the journal's thread lock) opens
+    its own."""
+    path = tmp_path / "repo"
+    git(tmp_path, "init", "-q", str(path))
+    script = """
+import os, sys, threading
+from gitrun.store import gitstore, journal
+repo = gitstore.open_repo(sys.argv[1])
+gitstore.transaction(repo).move("refs/gitrun/parent", None, repo.create_blob(b"p")).commit()
+held = journal.of(gitstore.common_dir(repo))
+held.thread_lock.acquire()  # a parent thread's, at the moment of the fork
+pid = os.fork()
+if pid == 0:
+    blob = repo.create_blob(b"child")
+    gitstore.transaction(repo).move("refs/gitrun/child", None, blob).commit()
+    os._exit(0 if journal.of(gitstore.common_dir(repo)) is not held else 3)
+held.thread_lock.release()
+_, status = os.waitpid(pid, 0)
+gitstore.transaction(repo).move("refs/gitrun/after", None, repo.create_blob(b"a")).commit()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)], env={**os.environ, **BOOT},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    held = journal_recovery.contents(path / ".git").refs
+    assert {"refs/gitrun/parent", "refs/gitrun/child", "refs/gitrun/after"} <= set(held)

@@ -90,6 +90,13 @@ def may_ride(rt: Runtime, state: RunState) -> bool:
     )
 
 
+def start(rt: Runtime, state: RunState) -> None:
+    """The intent ``state`` written and its ref move staged in the step's transaction,
+    which the write then commits (:func:`may_ride` said it may)."""
+    store = _local(rt)
+    rt.rider.start(store.prepare(rt.ref, state, rt.checkpoint, rt.lease.fence, AFTER))
+
+
 def land(rt: Runtime) -> None:
     """The riding intent (if any) becomes the checkpoint: settled when its write moved
     its ref, moved on its own otherwise; what was said of it is said once it is durable."""
@@ -97,11 +104,19 @@ def land(rt: Runtime) -> None:
     if prepared is None:
         return
     try:
-        rt.store.land(prepared, rt.lease.fence)
+        _local(rt).land(prepared, rt.lease.fence)
     finally:
         rt.rider.say_held(durable=prepared.moved)
     rt.checkpoint = prepared.oid
     rt.lease.maybe_renew(rt.state.generation)
+
+
+def _local(rt: Runtime) -> CheckpointStore:
+    """The runtime's checkpoint store, which rides only when it is the local git one."""
+    store = rt.store
+    if not isinstance(store, CheckpointStore):
+        raise GitrunError("only the local checkpoint store lets an intent ride with its write")
+    return store
 
 
 def land_after_failure(rt: Runtime) -> None:
@@ -112,4 +127,4 @@ def land_after_failure(rt: Runtime) -> None:
         rt.land()
 
 
-__all__ = ["AFTER", "RIDING_KINDS", "Rider", "land", "land_after_failure", "may_ride"]
+__all__ = ["AFTER", "RIDING_KINDS", "Rider", "land", "land_after_failure", "may_ride", "start"]

@@ -127,8 +127,7 @@ class Runtime:
             now=now,
         )
         if self.rider.proposing and riding.may_ride(self, nxt):
-            prepared = self.store.prepare(self.ref, nxt, self.checkpoint, fence, riding.AFTER)
-            self.rider.start(prepared)
+            riding.start(self, nxt)  # its ref move staged in the step's transaction
         else:
             self.checkpoint = self.store.advance(self.ref, nxt, self.checkpoint, fence)
         self._segment_start = now

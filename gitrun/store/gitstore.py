@@ -96,8 +96,9 @@ def open_repo(path: Path | str) -> pygit2.Repository:
     cdir = common_dir(repo)
     durable.watch(cdir)
     durable.attach_stage(repo, cdir)
-    journal.recover_if_needed(cdir)  # a power cut's lost names back before any ref is read
-    restored = journal_recovery.take_restored(cdir)
+    held = journal.of(cdir)
+    held.recover_if_needed()  # a power cut's lost names back before any ref is read
+    restored = held.take_restored()
     if restored:
         with os_locks(repo, restored):  # clears the locks the cut writers left
             pass
@@ -139,8 +140,8 @@ def sync_all(repo: pygit2.Repository) -> None:
 @contextlib.contextmanager
 def covering(repo: pygit2.Repository) -> Iterator[None]:
     """Files the block writes unsynced after a ref move it makes (a step's worktree files)
-    are as durable as that move (:func:`gitrun.store.journal.covering`)."""
-    with journal.covering(common_dir(repo)):
+    are as durable as that move (:meth:`gitrun.store.journal.Journal.covering`)."""
+    with journal.of(common_dir(repo)).covering():
         yield
 
 

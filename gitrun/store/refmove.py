@@ -104,8 +104,8 @@ class Transaction:
         if moves and entries and moves[-1].new is not None and entries[0][1] == moves[-1].new:
             moves[-1] = replace(moves[-1], follow=entries.pop(0)[0])
         followed = True
-        cdir = common_dir(self.repo)
-        if len(moves) == 2 and None not in (moves[0].new, moves[1].new) and journal.usable(cdir):
+        shared = len(moves) == 2 and None not in (moves[0].new, moves[1].new)
+        if shared and journal.of(common_dir(self.repo)).usable():
             followed = self._led(moves[0], moves[1])
         else:
             for move in moves:
@@ -148,7 +148,9 @@ class Transaction:
             self._alone(first)
             return self._alone(second)
         self._renamed(first)  # the first durable and renamed, nothing locked
-        followed = _locked(repo, names, second.name, lambda: _lead_second(repo, second, guards))
+        # The first is done: the second scope locks the second's refs and the guards only.
+        again = self._names(second)
+        followed = _locked(repo, again, second.name, lambda: _lead_second(repo, second, guards))
         self._renamed(second)
         return followed
 
@@ -247,14 +249,14 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool
         finally:
             os.close(fd)
         objects = durable.staged_closure(repo, cdir, move.value, actual)
-        staged = durable.read_staged(cdir, objects) if journal.usable(cdir) else None
-        if staged is not None and journal.fits(cdir, sum(len(d) for _, d in staged)):
+        staged = durable.read_staged(cdir, objects) if journal.of(cdir).usable() else None
+        if staged is not None and journal.of(cdir).fits(sum(len(d) for _, d in staged)):
             moved = True  # from here _journaled releases the lock itself if it fails
             return _journaled(repo, cdir, move, actual, lock, objects, staged)
         entry = _entry(move.name, actual, move.value, move.message)
         barrier(repo, cdir, objects)
-        if journal.usable(cdir):  # the ref's value, so no recovery rolls it back
-            with journal.recording(cdir, (), [entry]):
+        if journal.of(cdir).usable():  # the ref's value, so no recovery rolls it back
+            with journal.of(cdir).recording((), [entry]):
                 _commit_point(repo, cdir, move, actual, lock)
         else:
             _commit_point(repo, cdir, move, actual, lock)
@@ -318,7 +320,7 @@ def _journaled(
     if follower is not None and follower[1] != move.new:
         entries.append(_entry(move.follow, follower[1], move.value, "gitrun receipt index"))
     try:
-        with journal.recording(cdir, staged, entries):
+        with journal.of(cdir).recording(staged, entries):
             publish_staged(cdir, objects)
             _commit_point(repo, cdir, move, actual, lock)
             if move.crash_prefix:
@@ -344,8 +346,8 @@ def _finish(repo: pygit2.Repository, move: _Move) -> bool:
         durable.sync_filesystem(cdir)  # the move is durable before anyone is told of it
     if follower is None:
         return not move.follow
-    if journal.usable(cdir) and follower[1] != move.new:
-        with journal.recording(cdir, (), [_entry(move.follow, follower[1], move.value, "")]):
+    if journal.of(cdir).usable() and follower[1] != move.new:
+        with journal.of(cdir).recording((), [_entry(move.follow, follower[1], move.value, "")]):
             _rename_follower(repo, cdir, move, follower)
         return True
     _rename_follower(repo, cdir, move, follower)
@@ -400,13 +402,13 @@ def _delete(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> No
     cdir, name = common_dir(repo), move.name
     # covering: a rotation by another process between the record and libgit2's removal
     # would leave the removal in no record; the block then ends with a syncfs.
-    with journal.covering(cdir), repo.transaction() as tx:
+    with journal.of(cdir).covering(), repo.transaction() as tx:
         tx.lock_ref(name)
         if move.crash_prefix:
             faults.point(f"{move.crash_prefix}_locked")
         actual = _compare(repo, name, move.expected, guards, move.what)
-        if journal.usable(cdir) and actual is not None:
-            with journal.recording(cdir, (), [journal.RefEntry(name, None, actual.raw, "")]):
+        if journal.of(cdir).usable() and actual is not None:
+            with journal.of(cdir).recording((), [journal.RefEntry(name, None, actual.raw, "")]):
                 pass
         tx.remove(name)
     with contextlib.suppress(OSError):
@@ -551,7 +553,7 @@ def keep_replaced(target: Path, spare: str) -> None:
 #    is pinned back to the real one, so no recovery completes it, and the move fails),
 #    then renamed with no sync of its own: the record holds its value (and should another
 #    process rotate the journal in between, the caller's
-#    :func:`gitrun.store.journal.covering` makes it durable with a ``syncfs``), then the
+#    :meth:`gitrun.store.journal.Journal.covering` makes it durable with a ``syncfs``), then the
 #    follower.
 
 
@@ -575,7 +577,7 @@ def _lead_first(
         for new, old in ((head.value, was), (move.value, actual)):
             objects += [o for o in durable.staged_closure(repo, cdir, new, old) if o not in objects]
         staged = durable.read_staged(cdir, objects)
-        if not journal.fits(cdir, sum(len(d) for _, d in staged)):
+        if not journal.of(cdir).fits(sum(len(d) for _, d in staged)):
             raise NoRoom
         handed = True  # from here _recorded releases the lock itself if it fails
         _recorded(repo, (head, was, lead_lock), move, actual, (objects, staged), moved)
@@ -602,7 +604,7 @@ def _recorded(
     if move.follow and known != move.new:
         entries.append(_entry(move.follow, known, move.value, "gitrun receipt index"))
     try:
-        with journal.recording(cdir, objects[1], entries):
+        with journal.of(cdir).recording(objects[1], entries):
             publish_staged(cdir, objects[0])
             _commit_point(repo, cdir, head, was, lead_lock)
             moved.add(head.name)
@@ -650,4 +652,4 @@ def _pin(cdir: Path, refs: list[tuple[str, pygit2.Oid | None]]) -> None:
     """Journal each ref's real value (its record's move never happened)."""
     for name, value in refs:
         with contextlib.suppress(GitrunError, OSError):  # the move's own error is the one
-            journal.pin(cdir, name, value.raw if value is not None else None)
+            journal.of(cdir).pin(name, value.raw if value is not None else None)
