@@ -13,7 +13,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,12 +100,22 @@ def owner_alive(repo: pygit2.Repository, run_id: str, worker: str) -> bool:
 
 
 def fence_guard(repo: pygit2.Repository, run_id: str, fence: Fence) -> gitstore.Guard:
-    """A guard that refuses unless the lease (read under its lock) is still ``fence``."""
+    """A guard that refuses unless the lease (read under its lock) is still ``fence``.
+    Two guards of one fence are equal: a transaction staged by two stores checks it once."""
+    return gitstore.Guard(lease_ref(run_id), _FenceCheck(repo, run_id, fence))
 
-    def check(oid: pygit2.Oid | None) -> None:
+
+@dataclass(frozen=True)
+class _FenceCheck:
+    repo: pygit2.Repository = field(compare=False)
+    run_id: str
+    fence: Fence
+
+    def __call__(self, oid: pygit2.Oid | None) -> None:
+        run_id, fence = self.run_id, self.fence
         if oid is None:
             raise LeaseLost(None, f"run {run_id} has no lease; this worker no longer owns it")
-        lease = _decode(repo, oid)
+        lease = _decode(self.repo, oid)
         if lease.owner_worker != fence.owner or lease.lease_version != fence.version:
             raise LeaseLost(
                 lease.owner_worker,
@@ -116,8 +126,6 @@ def fence_guard(repo: pygit2.Repository, run_id: str, fence: Fence) -> gitstore.
             raise LeaseLost(
                 None, f"lease {fence.version} on run {run_id} expired; renew or resume again"
             )
-
-    return gitstore.Guard(lease_ref(run_id), check)
 
 
 @contextmanager

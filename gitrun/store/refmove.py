@@ -62,8 +62,10 @@ class Transaction:
         self.committed = False
 
     def guard(self, guard: Guard) -> Transaction:
-        """Refuse the whole transaction unless ``guard`` passes under its ref's OS lock."""
-        self._guards.append(guard)
+        """Refuse the whole transaction unless ``guard`` passes under its ref's OS lock
+        (a guard equal to one staged already is checked once)."""
+        if guard not in self._guards:
+            self._guards.append(guard)
         return self
 
     def move(
