@@ -39,8 +39,8 @@ from gitrun.store.checkpoint import CheckpointStore, checkpoint_ref, next_state
 from gitrun.store.keys import load_keyring
 from gitrun.store.lease import Fence, LeaseManager
 from gitrun.store.receipts import branch_ref
-from gitrun.store.remote import RemoteCheckpointLog, RemoteSite
-from gitrun.store.remote_git import Update, git_env
+from gitrun.store.remote import RemoteCheckpointLog, RemoteSite, RemoteTransaction
+from gitrun.store.remote_git import git_env
 from gitrun.store.remote_lease import RemoteLeaseStore
 
 LAYOUT = c.Layout(dirs=10, files_per_dir=10, file_size=2048)
@@ -91,9 +91,11 @@ def start(root: Path, name: str, url: str | None, steps: int) -> Runtime:
     env = Environment.create(repo, run_id, base, root / f"{name}-wt", "bench@1", site=site)
     if site is not None:  # what remote_run.publish does: the branch goes to the remote first
         fence = lease.fence
-        site.transact(run_id, lambda: ([site.fence_update(run_id, fence),
-                                         Update(branch_ref(run_id), str(base), None)], None),
-                      "publish")  # fmt: skip
+
+        def publish(txn: RemoteTransaction) -> None:
+            txn.guard(fence).move(branch_ref(run_id), None, str(base), seen=None)
+
+        site.transact(run_id, publish, "publish")
     commit = repo[base]
     if not isinstance(commit, pygit2.Commit):
         raise TypeError(base)

@@ -394,7 +394,7 @@ def test_a_write_whose_commit_time_is_after_the_approval_expired_goes_to_review(
     )
     sig = pygit2.Signature("gitrun", "gitrun@localhost", late, 0)
     oid = env.repo.create_commit(None, sig, sig, message, tree, [head.id])
-    gitstore.update_ref(env.repo, env.branch, head.id, oid)
+    gitstore.transaction(env.repo).move(env.branch, head.id, oid).commit()
 
     _frozen_line(ws.resume(), "needs review (the write committed after its approval expired)")
     review = ws.state()

@@ -224,7 +224,7 @@ SCRIPT_PROLOGUE = textwrap.dedent(
     repo = gitstore.open_repo(sys.argv[1])
     parent = repo.head.target
     # A first move creates the repository's journal (once per repository, not measured).
-    gitstore.update_ref(repo, "refs/gitrun/warm", None, parent, message="warm")
+    gitstore.transaction(repo).move("refs/gitrun/warm", None, parent, message="warm").commit()
     def mark(name):
         try:
             os.close(os.open("/nonexistent-durable-mark/" + name, os.O_RDONLY))
@@ -244,7 +244,7 @@ STORE_SCRIPT = SCRIPT_PROLOGUE + textwrap.dedent(
     top = repo.TreeBuilder(); top.insert("b", mid.write(), pygit2.GIT_FILEMODE_TREE)
     sig = pygit2.Signature("t", "t@invalid", 1, 0)
     commit = repo.create_commit(None, sig, sig, "deep\\n", top.write(), [parent])
-    gitstore.update_ref(repo, "refs/heads/main", parent, commit, message="test")
+    gitstore.transaction(repo).move("refs/heads/main", parent, commit, message="test").commit()
     mark("end")
     if sys.argv[2:] == ["hang"]:
         repo.create_blob(b"staged, never named " + os.urandom(8))
@@ -320,10 +320,8 @@ FOLLOW_SCRIPT = SCRIPT_PROLOGUE + textwrap.dedent(
     commit = repo.create_commit(None, sig, sig, "write\\n", tb.write(), [parent])
     mark("begin")
     # The branch move with its receipt index entry riding its final sync.
-    gitstore.update_ref(
-        repo, "refs/heads/main", parent, commit, message="test",
-        follow="refs/gitrun/runs/r/receipts/k-1",
-    )
+    txn = gitstore.transaction(repo).move("refs/heads/main", parent, commit, message="test")
+    txn.index("refs/gitrun/runs/r/receipts/k-1", commit).commit()
     mark("end")
     """
 )

@@ -204,8 +204,8 @@ from pathlib import Path
 from gitrun.core import faults
 from gitrun.store import journal, journal_recovery
 cdir = Path({str(cdir)!r})
-assert journal.usable(cdir)
-with journal.recording(cdir, [({good_id!r}, {good!r}), ({bad_id!r}, {other!r})], [
+assert journal.of(cdir).usable()
+with journal.of(cdir).recording([({good_id!r}, {good!r}), ({bad_id!r}, {other!r})], [
     journal.RefEntry("refs/gitrun/ok", {good_id!r}, None, "t"),
     journal.RefEntry("refs/../../escape", {good_id!r}, None, "t"),
     journal.RefEntry("HEAD", {good_id!r}, None, "t"),
@@ -230,7 +230,8 @@ from gitrun.store import gitstore
 repo = gitstore.open_repo(sys.argv[1])
 blob = repo.create_blob(sys.argv[2].encode())
 if sys.argv[3:] == ["move"]:
-    gitstore.update_ref(repo, "refs/gitrun/" + str(blob)[:8], None, blob, message="t")
+    name = "refs/gitrun/" + str(blob)[:8]
+    gitstore.transaction(repo).move(name, None, blob, message="t").commit()
 print(blob)
 """
 

@@ -125,7 +125,7 @@ first, n = epoch(), 0
 while epoch() == first:
     blob = repo.create_blob(b"rotate %d\\n" % n)
     old = gitstore.read_ref(repo, "refs/gitrun/rotate")
-    gitstore.update_ref(repo, "refs/gitrun/rotate", old, blob, message="rotate")
+    gitstore.transaction(repo).move("refs/gitrun/rotate", old, blob, message="rotate").commit()
     n += 1
 """
 
@@ -224,9 +224,10 @@ import os, sys
 from pathlib import Path
 from gitrun.store import journal
 cdir, oid, data = Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
-if not journal.usable(cdir):
+held = journal.of(cdir)
+if not held.usable():
     raise SystemExit("no journal")
-with journal.recording(cdir, [(oid, data)], [journal.RefEntry("refs/gitrun/x", oid, None, "")]):
+with held.recording([(oid, data)], [journal.RefEntry("refs/gitrun/x", oid, None, "")]):
     pass
 """
 OPEN = "import sys; from gitrun.store import gitstore; gitstore.open_repo(sys.argv[1])"
@@ -298,7 +299,7 @@ from gitrun.store import journal
 cdir = Path(sys.argv[1])
 (cdir / "gitrun").mkdir(exist_ok=True)
 os.link(sys.argv[2], cdir / "gitrun" / f".journal.tmp-{os.getpid()}")  # a guessed pid
-journal.usable(cdir)
+journal.of(cdir).usable()
 """
 
 

@@ -688,7 +688,9 @@ def test_the_adapter_refuses_a_write_under_a_stale_lease_even_when_called_direct
     assert lease is not None
     forged = replace(lease, owner_worker="worker-old", lease_version=2, expires_at=time.time() + 60)
     forged_oid = gitstore.write_blob(repo, canonical_bytes(encode(forged)))
-    gitstore.update_ref(repo, lease_ref("r"), oid, forged_oid, message="test: forge the lease")
+    gitstore.transaction(repo).move(
+        lease_ref("r"), oid, forged_oid, message="test: forge the lease"
+    ).commit()
     key, refused = _write(env, "stats/extra2.py", Fence("worker-old", 2))
     assert isinstance(refused, LeaseLost), refused
     assert "stale fence" in str(refused)

@@ -133,16 +133,17 @@ def test_a_block_raising_lets_go_of_the_ref_journal_and_witness_locks(
         _ = 1 / 0
     assert free(reflocks.lock_path(cdir, "refs/a"))
     assert free(reflocks.lock_path(cdir, "refs/b"))
-    assert journal.usable(cdir)
+    held = journal.of(cdir)
+    assert held.usable()
     before = open_fds()  # the journal keeps its own descriptor open
-    with pytest.raises(ZeroDivisionError), journal._locked(cdir):
+    with pytest.raises(ZeroDivisionError), held.locked():
         _ = 1 / 0
     assert free(cdir / journal.LOCK_FILE)
     taken: list[bool] = []
 
     def take() -> None:
-        taken.append(journal._thread_lock.acquire(timeout=1))
-        journal._thread_lock.release()
+        taken.append(held.thread_lock.acquire(timeout=1))
+        held.thread_lock.release()
 
     other = threading.Thread(target=take)
     other.start()

@@ -189,7 +189,7 @@ def test_a_lock_held_by_a_live_process_is_not_touched_and_the_update_waits_for_i
     import pygit2
 
     with pytest.raises(GitrunError, match="held by a live gitrun process") as refused:
-        gitstore.update_ref(repo, ref, pygit2.Oid(hex=first), pygit2.Oid(hex=second))
+        gitstore.transaction(repo).move(ref, pygit2.Oid(hex=first), pygit2.Oid(hex=second)).commit()
     assert ref in str(refused.value)
     assert lock_state(lockfile) == before
     assert git(repo_path, "rev-parse", ref).strip() == first
@@ -197,7 +197,7 @@ def test_a_lock_held_by_a_live_process_is_not_touched_and_the_update_waits_for_i
     os.kill(helper.pid, signal.SIGKILL)  # dies holding the ref lock: the kernel drops its OS lock
     helper.communicate(timeout=30)
     assert lockfile.exists()
-    gitstore.update_ref(repo, ref, pygit2.Oid(hex=first), pygit2.Oid(hex=second))
+    gitstore.transaction(repo).move(ref, pygit2.Oid(hex=first), pygit2.Oid(hex=second)).commit()
     assert git(repo_path, "rev-parse", ref).strip() == second
     assert not lockfile.exists()
 

@@ -354,9 +354,9 @@ def test_a_decision_signed_before_the_receipt_changed_keeps_the_run_frozen(
     new = env.repo.create_commit(
         None, old.author, old.committer, message, old.tree_id, [old.parents[0].id]
     )
-    gitstore.update_ref(env.repo, env.branch, old.id, new)
+    gitstore.transaction(env.repo).move(env.branch, old.id, new).commit()
     if index == "moved along":
-        gitstore.update_ref(env.repo, index_ref(RUN, key), old.id, new)
+        gitstore.transaction(env.repo).move(index_ref(RUN, key), old.id, new).commit()
         case = ws.state().review
         rewritten = env.lookup(key)
         assert case is not None

@@ -113,10 +113,14 @@ def commits(tmp_path: Path, n: int) -> tuple[pygit2.Repository, list[pygit2.Oid]
 def test_a_ref_move_reuses_the_file_the_move_before_it_replaced(tmp_path: Path) -> None:
     repo, ids = commits(tmp_path, 3)
     ref = Path(repo.path) / "refs" / "heads" / "work"
-    gitstore.update_ref(repo, "refs/heads/work", None, ids[0])
+    gitstore.transaction(repo).move("refs/heads/work", None, ids[0]).commit()
     first = ref.stat().st_ino
-    gitstore.update_ref(repo, "refs/heads/work", ids[0], ids[1])  # keeps `first` as spare
-    gitstore.update_ref(repo, "refs/heads/work", ids[1], ids[2])  # and writes into it
+    gitstore.transaction(repo).move(
+        "refs/heads/work", ids[0], ids[1]
+    ).commit()  # keeps `first` as spare
+    gitstore.transaction(repo).move(
+        "refs/heads/work", ids[1], ids[2]
+    ).commit()  # and writes into it
     assert ref.stat().st_ino == first
     assert ref.read_text() == f"{ids[2]}\n"
     assert subprocess.run(
@@ -132,12 +136,12 @@ def test_a_reader_holding_the_refs_old_file_open_never_sees_a_later_value(
     yet) reads the value it opened: that file is not reused while anyone has it open."""
     repo, ids = commits(tmp_path, 5)
     ref = Path(repo.path) / "refs" / "heads" / "work"
-    gitstore.update_ref(repo, "refs/heads/work", None, ids[0])
-    gitstore.update_ref(repo, "refs/heads/work", ids[0], ids[1])
+    gitstore.transaction(repo).move("refs/heads/work", None, ids[0]).commit()
+    gitstore.transaction(repo).move("refs/heads/work", ids[0], ids[1]).commit()
     held = os.open(ref, os.O_RDONLY)  # the file holding ids[1], opened, not yet read
     try:
         for old, new in itertools.pairwise(ids[1:]):
-            gitstore.update_ref(repo, "refs/heads/work", old, new)
+            gitstore.transaction(repo).move("refs/heads/work", old, new).commit()
         assert ref.read_text() == f"{ids[5]}\n"
         assert os.pread(held, 100, 0) == f"{ids[1]}\n".encode()
     finally:

@@ -48,11 +48,10 @@ def restore_run_refs(env: Environment, recorded: str, fence: Fence) -> list[str]
     want = pygit2.Oid(hex=recorded)
     tip = gitstore.read_ref(env.repo, env.branch)
     if tip != want:
-        gitstore.update_ref(
-            env.repo, env.branch, tip, want,
-            guards=[fence_guard(env.repo, env.run_id, fence)],
+        gitstore.transaction(env.repo).guard(fence_guard(env.repo, env.run_id, fence)).move(
+            env.branch, tip, want,
             message="gitrun: the agent's own git moved the run's branch; put back",
             what="branch",
-        )  # fmt: skip
+        ).commit()  # fmt: skip
         done.append(f"{short} was at {str(tip)[:12] if tip else 'nothing'}")
     return done

@@ -68,5 +68,7 @@ def append(
     )
     sig = pygit2.Signature(*AUTHOR, int(time.time()), 0)
     oid = repo.create_commit(None, sig, sig, message, tree, [tip] if tip is not None else [])
-    gitstore.update_ref(repo, name, tip, oid, message="gitrun: a call that changed nothing")
+    gitstore.transaction(repo).move(
+        name, tip, oid, message="gitrun: a call that changed nothing"
+    ).commit()
     return str(oid)

@@ -47,7 +47,6 @@ from gitrun.store.lease import Fence, fenced
 from gitrun.store.receipts import GitReceiptLog
 from gitrun.store.receipts import branch_ref as branch_ref  # noqa: PLC0414 - re-export for callers
 from gitrun.store.receipts import index_ref as index_ref  # noqa: PLC0414 - re-export for callers
-from gitrun.store.refmove import Lead
 from gitrun.store.remote import RemoteReceiptLog, RemoteSite
 
 if TYPE_CHECKING:
@@ -106,9 +105,9 @@ class Environment(WorktreeFiles):
             if worktree.exists():
                 raise EnvironmentDrift("worktree-exists", f"{worktree} already exists")
             branch = branch_ref(run_id)
-            gitstore.update_ref(
-                repo, branch, None, base, message="gitrun: run branch", what="branch"
-            )
+            gitstore.transaction(repo).move(
+                branch, None, base, message="gitrun: run branch", what="branch"
+            ).commit()
             worktree.parent.mkdir(parents=True, exist_ok=True)
             # libgit2 creates <common dir>/worktrees without exist_ok: two first runs of one
             # repository at once race on it (AlreadyExistsError). Make it first.
@@ -259,11 +258,12 @@ class Environment(WorktreeFiles):
         approval: Approval | None = None,
         *,
         shell: ExecContext | ToolContext | None = None,
-        lead: Lead | None = None,
+        txn: gitstore.Transaction | None = None,
     ) -> Outcome:
         """Perform ``action`` at most once for ``key``; see docs/design.md §4 step 5. An exec
-        needs ``shell`` (:func:`gitrun.adapter.exec_step.execute`). ``lead``, the intent's
-        checkpoint move, rides in the branch move (``lead.moved``: not for a replay)."""
+        needs ``shell`` (:func:`gitrun.adapter.exec_step.execute`). ``txn``, the caller's
+        transaction holding the intent's checkpoint move, gets the branch move and is
+        committed at the commit point (not for a replay: it is left uncommitted)."""
         if action.kind in (EXEC, TOOL):  # the worktree's whole change (exec_step.perform)
             from gitrun.adapter.exec_step import perform
 
@@ -284,7 +284,7 @@ class Environment(WorktreeFiles):
             sorted(changes),
         )  # fmt: skip
         faults.point("after_write_commit_object")
-        return self._commit_point(oid, head, changes, fence, approval, lead)
+        return self._commit_point(oid, head, changes, fence, approval, txn)
 
     def _replay(self, key: str, intent_digest: str, pre: Precondition) -> Outcome | None:
         """The receipt ``key`` already has (the write happened: replay it), or None; a
@@ -303,18 +303,18 @@ class Environment(WorktreeFiles):
         changes: dict[str, trees.Change],
         fence: Fence,
         approval: Approval | None,
-        lead: Lead | None = None,
+        txn: gitstore.Transaction | None = None,
     ) -> Outcome:
         """Append the write commit to the receipt log (the branch move: the commit point),
         then bring the files on disk to the new tree (as durable as the move: covered)."""
         with gitstore.covering(self.repo):
-            appended = self.append_write(oid, head, fence, approval, lead)
+            appended = self.append_write(oid, head, fence, approval, txn)
             if appended.replayed:
                 return Outcome(appended.receipt, replayed=True)
             commit = self.repo[oid]
             if not isinstance(commit, pygit2.Commit):
                 raise GitrunError(f"{oid} is not a commit")
-            # After update_ref returned: the lease ref's OS lock is taken afresh (flock is
+            # After the transaction committed: the lease ref's OS lock is taken afresh (flock is
             # per open file; nesting it in the ref transaction would deadlock this process).
             self.sync_files(head.tree, commit.tree, changes, fence)
         faults.point("after_file_sync")
@@ -322,12 +322,12 @@ class Environment(WorktreeFiles):
 
     def append_write(
         self, oid: pygit2.Oid, head: pygit2.Commit, fence: Fence, approval: Approval | None,
-        lead: Lead | None = None,
+        txn: gitstore.Transaction | None = None,
     ) -> Appended:  # fmt: skip
         """The commit point of every write kind: the fenced branch move (refused after an
         approval's expiry), counted when it is not a replay."""
         expiry = [gitstore.Guard(self.branch, _expiry_check(approval))] if approval else []
-        appended = self.receipt_log.append(oid, str(head.id), fence, guards=expiry, lead=lead)
+        appended = self.receipt_log.append(oid, str(head.id), fence, guards=expiry, txn=txn)
         if not appended.replayed:
             self.write_count += 1
             faults.point("after_receipt_index")

@@ -493,10 +493,8 @@ def _keep_output(env: Environment, key: str, output: pygit2.Oid, fence: Fence) -
     current = gitstore.read_ref(env.repo, ref)
     if current == output:
         return
-    gitstore.update_ref(
-        env.repo, ref, current, output, guards=[fence_guard(env.repo, env.run_id, fence)],
-        message=f"gitrun exec output {key}",
-    )  # fmt: skip
+    txn = gitstore.transaction(env.repo).guard(fence_guard(env.repo, env.run_id, fence))
+    txn.move(ref, current, output, message=f"gitrun exec output {key}").commit()
 
 
 def tip_is_pending_exec(env: Environment, gate: Gate, tip: pygit2.Commit) -> None:

@@ -30,7 +30,9 @@ def sandbox_base(repo: pygit2.Repository, base_files: Path, message: str) -> pyg
     tree = trees.tree_from_dir(repo, base_files)
     base = trees.deterministic_commit(repo, tree, message, [])
     if gitstore.read_ref(repo, "refs/heads/main") is None:
-        gitstore.update_ref(repo, "refs/heads/main", None, base, message="gitrun: sandbox base")
+        gitstore.transaction(repo).move(
+            "refs/heads/main", None, base, message="gitrun: sandbox base"
+        ).commit()
         repo.checkout("refs/heads/main")
     return base
 

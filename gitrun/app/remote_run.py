@@ -28,7 +28,6 @@ from gitrun.app.workspace import RunRecord
 from gitrun.core.codec import canonical_bytes
 from gitrun.core.errors import (
     BadInput,
-    CasFailed,
     CheckpointRejected,
     EnvironmentDrift,
     RunTaken,
@@ -39,8 +38,7 @@ from gitrun.store.atomicfile import atomic_write
 from gitrun.store.checkpoint import find_checkpoint_refs
 from gitrun.store.keys import load_keyring
 from gitrun.store.lease import Fence
-from gitrun.store.remote import RemoteCheckpointLog, RemoteSite
-from gitrun.store.remote_git import Update
+from gitrun.store.remote import RemoteCheckpointLog, RemoteSite, RemoteTransaction
 from gitrun.store.witness import Witness
 
 RECORD_FIELDS = ("agent", "agent_identity", "base_commit", "created_by", "scenario_parts")
@@ -71,23 +69,26 @@ def publish(site: RemoteSite, record: RunRecord, task: Task, fence: Fence) -> No
     branch, ref, base = record.branch, record_ref(record.run_id), record.base_commit
     fresh = [False]
 
-    def plan() -> tuple[list[Update], None]:
-        updates = [site.fence_update(record.run_id, fence)]
+    def plan(txn: RemoteTransaction) -> None:
+        txn.guard(fence)
         tip = site.branch_on_remote(record.run_id) if fresh[0] else None
-        if tip is None:
-            updates.append(Update(branch, base, None))
-        elif str(tip) != base:
-            raise CasFailed(branch, None, str(tip), "a new run's branch")
+        if tip is None or str(tip) != base:
+            txn.move(
+                branch,
+                None,
+                base,
+                what="a new run's branch",
+                seen=None if tip is None else str(tip),
+            )
         there = gitstore.read_ref(site.repo, ref) if fresh[0] else None
         if there is None:
-            updates.append(Update(ref, blob, None))
+            txn.move(ref, None, blob, seen=None)
         elif str(there) != blob:
             raise RunTaken(
                 f"run {record.run_id} was started first from another machine on {site.url}; "
                 "pick another --run-id"
             )
         fresh[0] = True
-        return updates, None
 
     site.transact(record.run_id, plan, f"publishing run {record.run_id}")
 

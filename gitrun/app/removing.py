@@ -59,14 +59,18 @@ def remove(run_id: str, opts: Options, *, force: bool = False) -> Removed:
         for name in names:
             old = gitstore.read_ref(repo, name)
             if old is not None:
-                gitstore.update_ref(repo, name, old, None, message=f"gitrun rm {run_id}")
+                gitstore.transaction(repo).move(
+                    name, old, None, message=f"gitrun rm {run_id}"
+                ).commit()
     except BaseException:
         lease.release()
         raise
     lease.release()
     old_lease = gitstore.read_ref(repo, lease_name)
     if old_lease is not None:
-        gitstore.update_ref(repo, lease_name, old_lease, None, message=f"gitrun rm {run_id}")
+        gitstore.transaction(repo).move(
+            lease_name, old_lease, None, message=f"gitrun rm {run_id}"
+        ).commit()
     ws = opts.workspace
     for path in (ws.witness_dir / run_id, ws.witness_dir / f".{run_id}.lock",
                  ws.root / "claude" / f"{run_id}.settings.json"):  # fmt: skip

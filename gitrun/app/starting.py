@@ -160,7 +160,9 @@ def discard_setup(repo: Repository, rec: RunRecord) -> None:
     shutil.rmtree(rec.worktree, ignore_errors=True)
     tip = gitstore.read_ref(repo, rec.branch)
     if tip is not None:
-        gitstore.update_ref(repo, rec.branch, tip, None, message="gitrun: discard unstarted run")
+        gitstore.transaction(repo).move(
+            rec.branch, tip, None, message="gitrun: discard unstarted run"
+        ).commit()
 
 
 def clear_stale_locks(repo: Repository, run_id: str) -> None:

@@ -49,9 +49,9 @@ def submit(
     if site is not None:
         site.put_evidence(run_id, kind, oid)
         return
-    gitstore.update_ref(
-        repo, ref, gitstore.read_ref(repo, ref), oid, message=f"gitrun {kind} evidence"
-    )
+    gitstore.transaction(repo).move(
+        ref, gitstore.read_ref(repo, ref), oid, message=f"gitrun {kind} evidence"
+    ).commit()
 
 
 def read_inbox(
@@ -84,7 +84,9 @@ def clear_inbox(repo: Repository, run_id: str, kind: str, site: RemoteSite | Non
     ref = inbox_ref(run_id, kind)
     current = gitstore.read_ref(repo, ref)
     if current is not None:
-        gitstore.update_ref(repo, ref, current, None, message=f"gitrun {kind} evidence consumed")
+        gitstore.transaction(repo).move(
+            ref, current, None, message=f"gitrun {kind} evidence consumed"
+        ).commit()
 
 
 def state_fingerprint(pending: Pending) -> str:

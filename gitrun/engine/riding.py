@@ -3,10 +3,10 @@
 docs/design.md §4 makes the intent (checkpoint ``g+1``, the pending action) durable before
 the write. For a write of files that order needs no sync of its own: the intent's
 checkpoint commit is written when the step is proposed, and its ref moves in the same
-ref transaction as the write's branch move (:class:`gitrun.store.refmove.Lead`): one
-journal record holds both commits and both refs, one ``fdatasync`` makes them durable,
-and the checkpoint ref is renamed before the branch. So every state a crash can leave
-is one the step protocol already covers:
+transaction as the write's branch move (:class:`gitrun.store.refmove.Transaction`, its
+two ordered moves): one journal record holds both commits and both refs, one
+``fdatasync`` makes them durable, and the checkpoint ref is renamed before the branch.
+So every state a crash can leave is one the step protocol already covers:
 
 - killed before that record: nothing of the step is durable (window 1: the agent is
   asked again, the step re-proposed under a fresh key);
@@ -58,11 +58,10 @@ class Rider:
 
     def start(self, prepared: Prepared) -> None:
         self.prepared = prepared
-        prepared.lead.on_moved = self.say_held  # "intent K: ..." the moment it is durable
 
     def hold(self, line: str) -> bool:
         """Keep ``line`` until the riding intent is durable; False when none rides."""
-        if self.prepared is None or self.prepared.lead.moved:
+        if self.prepared is None or self.prepared.moved:
             return False
         self._held.append(line)
         return True
@@ -91,21 +90,33 @@ def may_ride(rt: Runtime, state: RunState) -> bool:
     )
 
 
+def start(rt: Runtime, state: RunState) -> None:
+    """The intent ``state`` written and its ref move staged in the step's transaction,
+    which the write then commits (:func:`may_ride` said it may)."""
+    store = _local(rt)
+    rt.rider.start(store.prepare(rt.ref, state, rt.checkpoint, rt.lease.fence, AFTER))
+
+
 def land(rt: Runtime) -> None:
     """The riding intent (if any) becomes the checkpoint: settled when its write moved
     its ref, moved on its own otherwise; what was said of it is said once it is durable."""
     prepared = rt.rider.take()
     if prepared is None:
         return
-    store = rt.store
-    if not isinstance(store, CheckpointStore):  # an intent rides only on the git store
-        raise GitrunError(f"an intent rides only on the git checkpoint store, not {store!r}")
     try:
-        store.land(prepared, rt.lease.fence)
+        _local(rt).land(prepared, rt.lease.fence)
     finally:
-        rt.rider.say_held(durable=prepared.lead.moved)
-    rt.checkpoint = prepared.lead.move.new
+        rt.rider.say_held(durable=prepared.moved)
+    rt.checkpoint = prepared.oid
     rt.lease.maybe_renew(rt.state.generation)
+
+
+def _local(rt: Runtime) -> CheckpointStore:
+    """The runtime's checkpoint store, which rides only when it is the local git one."""
+    store = rt.store
+    if not isinstance(store, CheckpointStore):
+        raise GitrunError("only the local checkpoint store lets an intent ride with its write")
+    return store
 
 
 def land_after_failure(rt: Runtime) -> None:
@@ -116,4 +127,4 @@ def land_after_failure(rt: Runtime) -> None:
         rt.land()
 
 
-__all__ = ["AFTER", "RIDING_KINDS", "Rider", "land", "land_after_failure", "may_ride"]
+__all__ = ["AFTER", "RIDING_KINDS", "Rider", "land", "land_after_failure", "may_ride", "start"]

@@ -45,7 +45,6 @@ from gitrun.engine.agents import Finish, ScriptAgent
 from gitrun.engine.approvals import Approvals, clear_inbox
 from gitrun.engine.verifier import Secrets, VerifierResult, verify_tree
 from gitrun.store import gitstore, trees
-from gitrun.store.checkpoint import CheckpointStore
 
 Say = Callable[[str], None]
 
@@ -127,9 +126,8 @@ class Runtime:
             lease_version=fence.version,
             now=now,
         )
-        git = self.store if isinstance(self.store, CheckpointStore) else None  # only it rides
-        if self.rider.proposing and git is not None and riding.may_ride(self, nxt):
-            self.rider.start(git.prepare(self.ref, nxt, self.checkpoint, riding.AFTER))
+        if self.rider.proposing and riding.may_ride(self, nxt):
+            riding.start(self, nxt)  # its ref move staged in the step's transaction
         else:
             self.checkpoint = self.store.advance(self.ref, nxt, self.checkpoint, fence)
         self._segment_start = now
@@ -245,11 +243,11 @@ class Runtime:
         shell = self.exec_context() if p.action.kind == EXEC else tool
         if shell is not None:
             self.land()  # a command's intent is durable before it starts
-        lead = self.rider.prepared.lead if self.rider.prepared is not None else None
+        txn = self.rider.prepared.txn if self.rider.prepared is not None else None
         try:
             outcome = self.env.execute(
                 p.action, p.key, p.intent_digest, p.precondition, self.lease.fence, approval,
-                shell=shell, lead=lead,
+                shell=shell, txn=txn,
             )  # fmt: skip
         except ReceiptConflict as conflict:
             self.conflict(conflict.receipt)

@@ -23,7 +23,7 @@ from gitrun.core import trailer
 from gitrun.core.errors import CasFailed, CheckpointRejected, GitrunError, InvalidState
 from gitrun.core.records import RunState
 from gitrun.core.validate import validate_state
-from gitrun.store import gitstore, refmove, sshsig
+from gitrun.store import gitstore, sshsig
 from gitrun.store.checkpoint_verify import (
     CommitParts,
     ref_gone,
@@ -35,7 +35,6 @@ from gitrun.store.checkpoint_verify import (
 from gitrun.store.checkpoint_verify import message as checkpoint_message
 from gitrun.store.keys import Keyring
 from gitrun.store.lease import Fence, fence_guard
-from gitrun.store.refmove import Lead
 from gitrun.store.witness import Mark, Witness, admit
 
 SIGNER = pygit2.Signature("gitrun", "gitrun@localhost", 0, 0)
@@ -52,11 +51,20 @@ def find_checkpoint_refs(repo: pygit2.Repository, run_id: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A checkpoint written but not yet the ref's (see :meth:`CheckpointStore.prepare`)."""
+    """A checkpoint written and its ref move staged in ``txn``, not yet committed (see
+    :meth:`CheckpointStore.prepare`)."""
 
     ref: str
     state: RunState
-    lead: Lead
+    oid: pygit2.Oid
+    expected: pygit2.Oid | None
+    txn: gitstore.Transaction
+    after: tuple[str, ...] = ()
+
+    @property
+    def moved(self) -> bool:
+        """Whether the checkpoint is the ref's (its transaction moved it)."""
+        return self.txn.moved(self.ref)
 
 
 @dataclass(frozen=True)
@@ -93,42 +101,46 @@ class CheckpointStore:
         An invalid state raises :class:`InvalidState` before any object is written.
         A lost race raises :class:`CasFailed`; nothing of the loser is visible.
         """
-        prepared = self.prepare(ref, state, expected)
+        prepared = self.prepare(ref, state, expected, fence)
         self.land(prepared, fence)
-        return prepared.lead.move.new
+        return prepared.oid
 
     def prepare(
-        self, ref: str, state: RunState, expected: pygit2.Oid | None, after: tuple[str, ...] = ()
+        self,
+        ref: str,
+        state: RunState,
+        expected: pygit2.Oid | None,
+        fence: Fence | None,
+        after: tuple[str, ...] = (),
     ) -> Prepared:
-        """The checkpoint written, its ref not moved: the move another ref move leads (a
-        step's intent riding with its write: :class:`gitrun.store.refmove.Lead`, whose
-        ``after`` crash points follow its rename); :meth:`settle` once it has moved."""
+        """The checkpoint written and its ref move staged, fenced by ``fence``, in a new
+        transaction the caller holds: a step's write stages its branch move in the same
+        one and commits both (one journal record; docs/design.md §4). ``after`` are the
+        crash points passed right after the checkpoint's rename. :meth:`land` after."""
         oid = self.write(ref, state, expected)
         if self.witness is not None:  # the last advance's deferred witness sync first
             self.witness.settle(state.run_id)
-        lead = Lead(
-            ref, expected, oid, message=f"gitrun checkpoint g={state.generation}",
-            what=f"checkpoint generation {state.generation}", crash_prefix="checkpoint_ref",
-            after=after,
-        )  # fmt: skip
-        return Prepared(ref, state, lead)
+        prepared = Prepared(ref, state, oid, expected, gitstore.transaction(self.repo), after)
+        _stage(prepared, prepared.txn, fence)
+        return prepared
 
     def land(self, prepared: Prepared, fence: Fence | None) -> None:
-        """The prepared checkpoint made the ref's: moved now unless it already was (with
-        the move it led), then settled."""
-        if not prepared.lead.moved:
-            run_id = prepared.state.run_id
-            guards = [fence_guard(self.repo, run_id, fence)] if fence is not None else []
-            refmove.move_alone(self.repo, prepared.lead, guards)
+        """The prepared checkpoint made the ref's: its transaction committed now if no one
+        committed it, moved on its own if that left it unmoved (the write it rode with
+        was refused first), then settled."""
+        if not prepared.moved:
+            txn = prepared.txn
+            if txn.committed:  # alone, in a transaction of its own
+                txn = _stage(prepared, gitstore.transaction(self.repo), fence)
+            txn.commit()
         self.settle(prepared)
 
     def settle(self, prepared: Prepared) -> None:
         """After the prepared checkpoint's ref moved: its witness advanced."""
-        if not prepared.lead.moved:
-            raise GitrunError(f"checkpoint {prepared.lead.move.new} was never moved to")
+        if not prepared.moved:
+            raise GitrunError(f"checkpoint {prepared.oid} was never moved to")
         if self.witness is not None:
-            lead = prepared.lead.move
-            self._witness_advance(prepared.ref, prepared.state, lead.new, lead.expected)
+            self._witness_advance(prepared.ref, prepared.state, prepared.oid, prepared.expected)
 
     def write(self, ref: str, state: RunState, expected: pygit2.Oid | None) -> pygit2.Oid:
         """Validate ``state`` and write its signed checkpoint commit on ``expected``; no ref
@@ -288,6 +300,20 @@ class CheckpointStore:
     def head(self, ref: str) -> pygit2.Oid | None:
         """The high-water mark: the checkpoint commit ``ref`` names, None when absent."""
         return gitstore.read_ref(self.repo, ref)
+
+
+def _stage(
+    prepared: Prepared, txn: gitstore.Transaction, fence: Fence | None
+) -> gitstore.Transaction:
+    """The prepared checkpoint's ref move staged in ``txn``, fenced by ``fence``."""
+    state, generation = prepared.state, prepared.state.generation
+    if fence is not None:
+        txn.guard(fence_guard(txn.repo, state.run_id, fence))
+    return txn.move(
+        prepared.ref, prepared.expected, prepared.oid, message=f"gitrun checkpoint g={generation}",
+        what=f"checkpoint generation {generation}", crash_prefix="checkpoint_ref",
+        after=prepared.after,
+    )  # fmt: skip
 
 
 _PART_NAMES = {

@@ -1,28 +1,32 @@
-"""The git store: opening repositories durably, and the one atomic ref-update path.
+"""The git store: opening repositories durably, and the one durable write API.
 
-Every durable change gitrun makes ends in :func:`update_ref`, which
+Every durable change gitrun makes to a repository is a :class:`Transaction`
+(:func:`transaction`; :mod:`gitrun.store.refmove`): stores stage their moves into one
+the caller holds (a fence as a guard, a receipt index entry as a best-effort cache
+entry) and :meth:`Transaction.commit` then
 
-1. takes an OS-level lock (``flock``, as filelock does) per ref it will lock, in sorted order, so a
-   ``*.lock`` file left by a killed gitrun writer is provably stale for whoever holds
+1. takes an OS-level lock (``flock``) per ref the transaction names, in sorted order, so
+   a ``*.lock`` file left by a killed gitrun writer is provably stale for whoever holds
    that OS lock next (the kernel drops an flock when its process dies);
 2. removes such stale ref lock files, but only once they are older than a grace
    period, so a foreign ``git`` process that holds a lock for a few milliseconds is
    never disturbed;
 3. creates ``<ref>.lock`` (git's own lock protocol, so git and libgit2 keep out), re-reads
-   the ref and every ref it only fences on (the lease), compares, writes the new value,
-   then makes the move durable before its commit point: one record in the repository's
-   journal (:mod:`gitrun.store.journal`: the bytes of every new object the value reaches
-   and the value itself, one ``fdatasync``), or for a move too large for it the barrier
-   of :mod:`gitrun.store.durable`; then it publishes the staged objects, appends the
-   reflog line and renames the lock over the ref (the commit point). A fencing ref is
-   re-read under its OS lock, which every gitrun writer of that ref holds while it
-   writes, so it cannot change in between; its git lock file is not taken (that would
-   cost a file create and unlink on every step and protect only against foreign git).
+   every guard and the ref, compares, writes the new value, then makes the move durable
+   before its commit point: one record in the repository's journal
+   (:mod:`gitrun.store.journal`: the bytes of every new object the value reaches and the
+   value itself, one ``fdatasync``), or for a move too large for it the barrier of
+   :mod:`gitrun.store.durable`; then it publishes the staged objects, appends the reflog
+   line and renames the lock over the ref (the commit point). A guard ref is re-read
+   under its OS lock, which every gitrun writer of that ref holds while it writes, so it
+   cannot change in between; its git lock file is not taken.
    A delete is journaled, then goes through libgit2 (it may rewrite ``packed-refs``;
-   libgit2 fsyncs that itself). The move itself is :mod:`gitrun.store.refmove`.
+   libgit2 fsyncs that itself).
 
-Only one ref moves per call: multi-ref transactions are not crash-atomic on the files
-backend, so each step has exactly one commit point and everything else is derived.
+Multi-ref transactions are not crash-atomic on the files backend (renames happen one by
+one): the moves of one transaction are renamed in order, the first durable and visible
+before the second is, so each step has one commit point and what comes after it is
+derived (docs/design.md §5).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from gitrun.store.reflocks import Guard as Guard  # noqa: PLC0414 - re-export
 from gitrun.store.reflocks import common_dir as common_dir  # noqa: PLC0414 - re-export
 from gitrun.store.reflocks import os_locks as os_locks  # noqa: PLC0414 - re-export
 from gitrun.store.reflocks import read_ref as read_ref  # noqa: PLC0414 - re-export
-from gitrun.store.refmove import update_ref as update_ref  # noqa: PLC0414 - re-export
+from gitrun.store.refmove import Transaction as Transaction  # noqa: PLC0414 - re-export
 
 _configured = False
 
@@ -92,12 +96,18 @@ def open_repo(path: Path | str) -> pygit2.Repository:
     cdir = common_dir(repo)
     durable.watch(cdir)
     durable.attach_stage(repo, cdir)
-    journal.recover_if_needed(cdir)  # a power cut's lost names back before any ref is read
-    restored = journal_recovery.take_restored(cdir)
+    held = journal.of(cdir)
+    held.recover_if_needed()  # a power cut's lost names back before any ref is read
+    restored = held.take_restored()
     if restored:
         with os_locks(repo, restored):  # clears the locks the cut writers left
             pass
     return repo
+
+
+def transaction(repo: pygit2.Repository) -> Transaction:
+    """A new transaction on ``repo``: stage guards, moves and index entries, then commit."""
+    return Transaction(repo)
 
 
 def read_blob(repo: pygit2.Repository, oid: pygit2.Oid) -> bytes:
@@ -130,8 +140,8 @@ def sync_all(repo: pygit2.Repository) -> None:
 @contextlib.contextmanager
 def covering(repo: pygit2.Repository) -> Iterator[None]:
     """Files the block writes unsynced after a ref move it makes (a step's worktree files)
-    are as durable as that move (:func:`gitrun.store.journal.covering`)."""
-    with journal.covering(common_dir(repo)):
+    are as durable as that move (:meth:`gitrun.store.journal.Journal.covering`)."""
+    with journal.of(common_dir(repo)).covering():
         yield
 
 

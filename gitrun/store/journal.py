@@ -1,6 +1,6 @@
 """The repository's write-ahead journal: one ``fdatasync`` makes a ref move durable.
 
-Every ref move gitrun makes (:func:`gitrun.store.gitstore.update_ref`) writes one
+Every ref move gitrun makes (:class:`gitrun.store.refmove.Transaction`) writes one
 *record* here before the move's commit point: the bytes of every new object the new value
 reaches (the raw loose-object files, as git would keep them) and the ref's new value.
 One ``pwrite`` and one ``fdatasync`` of this preallocated file make all of it durable;
@@ -79,12 +79,8 @@ BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 TEST_BOOT_VAR = "GITRUN_TEST_BOOT_ID"  # the power-loss tests' reboot; see tests/test_journal.py
 
 
-_fds: dict[Path, int] = {}
-_sizes: dict[Path, int] = {}  # the journal file's size (its creator's SIZE)
-_tails: dict[Path, Tail] = {}
-_unusable: set[Path] = set()
-_boot: list[str] = []
-_thread_lock = threading.RLock()  # flock is per open file: threads of one process need this
+_boot: list[str] = []  # the kernel's boot id: the same for every process of this boot
+_journals: dict[Path, Journal] = {}  # common dir -> this process's handle on its journal
 
 
 def boot_id() -> str:
@@ -101,33 +97,198 @@ def boot_id() -> str:
     return _boot[0]
 
 
-def recover_if_needed(cdir: Path) -> None:
-    """At open, before any ref is read: recover a journal another boot left (a
-    repository without one has nothing to recover; it gets one at its first move)."""
-    if cdir in _fds or cdir in _unusable or not boot_id():
-        return
-    if os.path.lexists(cdir / JOURNAL_FILE):
-        usable(cdir)
+def of(cdir: Path) -> Journal:
+    """This process's one handle on the journal of the repository ``cdir``. A forked child
+    makes its own at its first use (it must not share its parent's open file, nor a lock
+    a thread of its parent held at the fork): the handle knows the process it is for."""
+    found = _journals.get(cdir)
+    if found is None or found.pid != os.getpid():
+        if found is not None:
+            found.disown()
+        found = _journals[cdir] = Journal(cdir)
+    return found
 
 
-def usable(cdir: Path) -> bool:
-    """The journal of ``cdir`` is open (created and recovered if need be)."""
-    if cdir in _fds:
+class Journal:
+    """The journal of one repository as this process holds it: its open file, its size,
+    where the next record goes, and the refs its last recovery put back."""
+
+    def __init__(self, cdir: Path) -> None:
+        self.cdir = cdir
+        self.pid = os.getpid()
+        self.fd = -1  # open once usable
+        self.size = SIZE  # the journal file's size (its creator's SIZE)
+        self.tail: Tail | None = None
+        self.unusable = False  # read-only or full: the barrier still makes moves durable
+        self.restored: list[str] = []  # refs the last recovery set, for their stale locks
+        # flock is per open file: the threads of one process need this too
+        self.thread_lock = threading.RLock()
+
+    def disown(self) -> None:
+        """In a forked child: close the parent's descriptor (this copy of it)."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+    def recover_if_needed(self) -> None:
+        """At open, before any ref is read: recover a journal another boot left (a
+        repository without one has nothing to recover; it gets one at its first move)."""
+        if self.fd >= 0 or self.unusable or not boot_id():
+            return
+        if os.path.lexists(self.cdir / JOURNAL_FILE):
+            self.usable()
+
+    def usable(self) -> bool:
+        """The journal is open (created and recovered if need be)."""
+        if self.fd >= 0:
+            return True
+        if self.unusable or not boot_id():
+            return False
+        try:
+            fd = _open(self.cdir)
+            self.size = os.fstat(fd).st_size
+            self.fd = fd
+        except OSError:
+            self.unusable = True
+            return False
+        head = read_header(self.fd)  # unlocked: a reader (a refused resume) writes nothing
+        if head is None or head[1] != boot_id():
+            with self.locked() as locked_fd:
+                self._check_boot(locked_fd)
         return True
-    if cdir in _unusable or not boot_id():
-        return False
-    try:
-        fd = _open(cdir)
-        _sizes[cdir] = os.fstat(fd).st_size
-        _fds[cdir] = fd
-    except OSError:
-        _unusable.add(cdir)  # read-only or full: the barrier still makes moves durable
-        return False
-    head = read_header(_fds[cdir])  # unlocked: a reader (a refused resume) writes nothing
-    if head is None or head[1] != boot_id():
-        with _locked(cdir) as fd:
-            _check_boot(cdir, fd)
-    return True
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[int]:
+        """The journal's lock: an OS lock with a holder record, as every ref's (a holder
+        seen stopped is named at once, a running one after 30 s: exit 4), never a silent
+        wait. Yields the journal's descriptor."""
+        lock, name = f"{self.cdir}/{LOCK_FILE}", f"{self.cdir}/{JOURNAL_FILE}"
+        with self.thread_lock:
+            try:
+                held = oslock.acquire(lock, LOCK_SECONDS, oslock.waiting(name, 30))
+            except oslock.LockBusy as exc:
+                raise oslock.busy_error(name, exc, LOCK_SECONDS) from exc
+            try:
+                yield self.fd
+            finally:
+                os.close(held)  # closing the descriptor releases the lock
+
+    def _check_boot(self, fd: int) -> None:
+        """Under the lock: recover when the journal was last opened by another boot."""
+        head = read_header(fd)
+        if head is not None and head[1] == boot_id():
+            return
+        if head is not None:
+            from gitrun.store import journal_recovery  # only after a reboot
+
+            self.restored = journal_recovery.recover(self.cdir, fd, head[0])
+        self._new_epoch(fd)
+
+    def take_restored(self) -> list[str]:
+        """The refs the recovery this process just ran put back (once): their ``.lock``
+        files, left by writers the power cut killed, are stale (the caller clears them)."""
+        restored, self.restored = self.restored, []
+        return restored
+
+    def _new_epoch(self, fd: int) -> None:
+        """``syncfs`` (everything the journal covered is durable in place), then a fresh
+        random epoch: no record of an earlier one is ever read as part of the journal."""
+        from gitrun.store import durable  # loads pygit2: not at import (status's reader)
+
+        durable.sync_filesystem(self.cdir)
+        epoch = _random_epoch()
+        self._write(fd, header(epoch, boot_id()), 0)
+        self.tail = Tail(epoch, 0, HEADER)
+
+    def _tail(self, fd: int) -> Tail:
+        """Under the lock: where the next record goes (others may have appended)."""
+        head = read_header(fd)
+        if head is None or head[1] != boot_id():  # damaged (nothing to trust), or a reboot
+            self._check_boot(fd)
+            head = (self.tail.epoch if self.tail else 0, boot_id())
+        tail = self.tail
+        if tail is None or tail.epoch != head[0]:
+            tail = Tail(head[0], 0, HEADER)
+        for after, _ in records(fd, head[0], tail, self.size):
+            tail = after
+        return tail
+
+    @contextlib.contextmanager
+    def recording(
+        self, objects: Sequence[tuple[bytes, bytes]], refs: Sequence[RefEntry]
+    ) -> Iterator[None]:
+        """Journal ``objects`` and ``refs`` durably, then run the block (the renames) while
+        still holding the journal's lock, so no rotation starts before they are done."""
+        payload = encode(objects, refs)
+        with self.locked() as fd:
+            tail = self._tail(fd)
+            if tail.offset + REC.size + len(payload) > self.size:
+                self._new_epoch(fd)
+                tail = self.tail or tail
+            head = struct.pack("<IQQI", REC_MAGIC, tail.epoch, tail.seq, len(payload))
+            crc = zlib.crc32(head + payload)
+            self._write(fd, head + crc.to_bytes(4, "little") + payload, tail.offset)
+            end = align(tail.offset + REC.size + len(payload))
+            self.tail = Tail(tail.epoch, tail.seq + 1, end)
+            yield
+
+    def fits(self, size: int) -> bool:
+        """A move of ``size`` bytes of objects goes through the journal (else the barrier)."""
+        return size + REC.size <= self.size // 4
+
+    def _write(self, fd: int, data: bytes, offset: int) -> None:
+        """One record written and made durable, or StorageFailed (nothing acknowledged)."""
+        try:
+            written = os.pwrite(fd, data, offset)
+        except OSError as exc:
+            raise self._failed(exc) from exc
+        if written != len(data):
+            raise self._failed(OSError(errno.EIO, "short write"))
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: OSError) -> StorageFailed:
+        return StorageFailed.on(self.cdir, exc.strerror or str(exc))
+
+    def epoch(self) -> int | None:
+        """The journal's epoch now (-1: a damaged header; None: no journal, the barrier)."""
+        if not self.usable():
+            return None
+        with self.locked() as fd:
+            head = read_header(fd)
+        return -1 if head is None else head[0]
+
+    def _epoch_now(self) -> int | None:
+        """:meth:`epoch` read without the lock (-1 for a header torn by a rotation writing
+        it): enough to compare with an epoch read under the lock after the block."""
+        if not self.usable():
+            return None
+        head = read_header(self.fd)
+        return -1 if head is None else head[0]
+
+    @contextlib.contextmanager
+    def covering(self) -> Iterator[None]:
+        """Files the block writes unsynced after a ref move it makes (a step's worktree
+        files) are as durable as the move: recovery repairs the paths of every branch the
+        epoch journals. When another process rotated the journal in between (the move's
+        record is gone), a ``syncfs`` makes them durable now; a rotation after it synced
+        them itself."""
+        before = self._epoch_now()
+        yield
+        if before is not None and self.epoch() != before:
+            from gitrun.store import durable  # loads pygit2: not at import (status's reader)
+
+            durable.sync_filesystem(self.cdir)
+
+    def pin(self, name: str, value: bytes | None) -> None:
+        """Journal ``name``'s real value: a dead move's record for it is never completed."""
+        if not self.usable():
+            return
+        with self.recording((), [RefEntry(name, value, value, "gitrun: stale lock cleared")]):
+            pass
 
 
 def _open(cdir: Path) -> int:
@@ -159,34 +320,6 @@ def _zero_fill(fd: int, size: int) -> None:
         os.pwrite(fd, chunk[: size - offset], offset)
 
 
-@contextlib.contextmanager
-def _locked(cdir: Path) -> Iterator[int]:
-    """The journal's lock: an OS lock with a holder record, as every ref's (a holder seen
-    stopped is named at once, a running one after 30 s: exit 4), never a silent wait."""
-    lock, name = f"{cdir}/{LOCK_FILE}", f"{cdir}/{JOURNAL_FILE}"
-    with _thread_lock:
-        try:
-            held = oslock.acquire(lock, LOCK_SECONDS, oslock.waiting(name, 30))
-        except oslock.LockBusy as exc:
-            raise oslock.busy_error(name, exc, LOCK_SECONDS) from exc
-        try:
-            yield _fds[cdir]
-        finally:
-            os.close(held)  # closing the descriptor releases the lock
-
-
-def _check_boot(cdir: Path, fd: int) -> None:
-    """Under the lock: recover when the journal was last opened by another boot."""
-    head = read_header(fd)
-    if head is not None and head[1] == boot_id():
-        return
-    if head is not None:
-        from gitrun.store import journal_recovery  # only after a reboot
-
-        journal_recovery.recover(cdir, fd, head[0])
-    _new_epoch(cdir, fd)
-
-
 def _random_epoch() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
@@ -210,157 +343,18 @@ def recovery_pending(cdir: Path) -> bool:
     return head is None or head[1] != boot_id()
 
 
-def _new_epoch(cdir: Path, fd: int) -> None:
-    """``syncfs`` (everything the journal covered is durable in place), then a fresh
-    random epoch: no record of an earlier one is ever read as part of the journal."""
-    from gitrun.store import durable  # loads pygit2: not at import (status's reader)
-
-    durable.sync_filesystem(cdir)
-    epoch = _random_epoch()
-    _write(cdir, fd, header(epoch, boot_id()), 0)
-    _tails[cdir] = Tail(epoch, 0, HEADER)
-
-
-def _tail(cdir: Path, fd: int) -> Tail:
-    """Under the lock: where the next record goes (others may have appended)."""
-    head = read_header(fd)
-    if head is None or head[1] != boot_id():  # damaged (nothing to trust), or a reboot
-        _check_boot(cdir, fd)
-        head = (_tails[cdir].epoch, boot_id())
-    tail = _tails.get(cdir)
-    if tail is None or tail.epoch != head[0]:
-        tail = Tail(head[0], 0, HEADER)
-    for after, _ in records(fd, head[0], tail, _sizes[cdir]):
-        tail = after
-    return tail
-
-
-@contextlib.contextmanager
-def recording(
-    cdir: Path, objects: Sequence[tuple[bytes, bytes]], refs: Sequence[RefEntry]
-) -> Iterator[None]:
-    """Journal ``objects`` and ``refs`` durably, then run the block (the renames) while
-    still holding the journal's lock, so no rotation starts before they are done."""
-    payload = encode(objects, refs)
-    with _locked(cdir) as fd:
-        tail = _tail(cdir, fd)
-        if tail.offset + REC.size + len(payload) > _sizes[cdir]:
-            _new_epoch(cdir, fd)
-            tail = _tails[cdir]
-        head = struct.pack("<IQQI", REC_MAGIC, tail.epoch, tail.seq, len(payload))
-        crc = zlib.crc32(head + payload)
-        _write(cdir, fd, head + crc.to_bytes(4, "little") + payload, tail.offset)
-        end = align(tail.offset + REC.size + len(payload))
-        _tails[cdir] = Tail(tail.epoch, tail.seq + 1, end)
-        yield
-
-
-def fits(cdir: Path, size: int) -> bool:
-    """A move of ``size`` bytes of objects goes through the journal (else the barrier)."""
-    return size + REC.size <= _sizes.get(cdir, SIZE) // 4
-
-
-def _write(cdir: Path, fd: int, data: bytes, offset: int) -> None:
-    """One record written and made durable, or StorageFailed (nothing acknowledged)."""
-    try:
-        written = os.pwrite(fd, data, offset)
-    except OSError as exc:
-        raise _failed(cdir, exc) from exc
-    if written != len(data):
-        raise _failed(cdir, OSError(errno.EIO, "short write"))
-    _sync(cdir, fd)
-
-
-def _failed(cdir: Path, exc: OSError) -> StorageFailed:
-    return StorageFailed.on(cdir, exc.strerror or str(exc))
-
-
-def _sync(cdir: Path, fd: int) -> None:
-    try:
-        os.fdatasync(fd)
-    except OSError as exc:
-        raise _failed(cdir, exc) from exc
-
-
-def epoch(cdir: Path) -> int | None:
-    """The journal's epoch now (-1: a damaged header; None: no journal, the barrier)."""
-    if not usable(cdir):
-        return None
-    with _locked(cdir) as fd:
-        head = read_header(fd)
-    return -1 if head is None else head[0]
-
-
-def _epoch_now(cdir: Path) -> int | None:
-    """:func:`epoch` read without the lock (-1 for a header torn by a rotation writing
-    it): enough to compare with an epoch read under the lock after the block."""
-    if not usable(cdir):
-        return None
-    head = read_header(_fds[cdir])
-    return -1 if head is None else head[0]
-
-
-@contextlib.contextmanager
-def covering(cdir: Path) -> Iterator[None]:
-    """Files the block writes unsynced after a ref move it makes (a step's worktree files)
-    are as durable as the move: recovery repairs the paths of every branch the epoch
-    journals. When another process rotated the journal in between (the move's record is
-    gone), a ``syncfs`` makes them durable now; a rotation after it synced them itself."""
-    before = _epoch_now(cdir)
-    yield
-    if before is not None and epoch(cdir) != before:
-        from gitrun.store import durable  # loads pygit2: not at import (status's reader)
-
-        durable.sync_filesystem(cdir)
-
-
-def pin(cdir: Path, name: str, value: bytes | None) -> None:
-    """Journal ``name``'s real value: a dead move's record for it is never completed."""
-    if not usable(cdir):
-        return
-    with recording(cdir, (), [RefEntry(name, value, value, "gitrun: stale lock cleared")]):
-        pass
-
-
-def forget() -> None:
-    """Close every journal: a forked child must not share its parent's open file (and
-    with it the parent's ``flock``); it opens its own at its first move."""
-    global _thread_lock  # noqa: PLW0603 - a fork's child gets a fresh, unheld lock
-    for fd in _fds.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _fds.clear()
-    _sizes.clear()
-    from gitrun.store import journal_recovery
-
-    journal_recovery.restored.clear()
-    _tails.clear()
-    _unusable.clear()
-    _boot.clear()
-    _thread_lock = threading.RLock()
-
-
-os.register_at_fork(after_in_child=forget)
-
-
 __all__ = [
     "HEADER",
     "JOURNAL_FILE",
+    "Journal",
     "RefEntry",
     "Replay",
     "Tail",
     "boot_id",
-    "covering",
     "decode",
     "encode",
-    "epoch",
-    "fits",
-    "forget",
-    "pin",
+    "of",
     "read_header",
-    "recording",
     "records",
-    "recover_if_needed",
     "recovery_pending",
-    "usable",
 ]

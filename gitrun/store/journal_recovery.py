@@ -33,12 +33,12 @@ from gitrun.store.journal_format import (
 )
 
 RECOVERED_DIR = "gitrun/recovered"  # a note per branch to repair, until its run's resume
-restored: dict[Path, list[str]] = {}  # refs the last recovery set, for their stale locks
 
 
-def recover(cdir: Path, fd: int, epoch: int) -> None:
+def recover(cdir: Path, fd: int, epoch: int) -> list[str]:
     """Another boot's journal: put back every object and ref it holds (see the module
-    docstring). Runs under the journal's lock, before this process reads a ref."""
+    docstring). Runs under the journal's lock, before this process reads a ref. The refs
+    it journals (their ``.lock`` files, left by writers the cut killed, are stale)."""
     replay = Replay()
     for _, payload in records(fd, epoch, Tail(epoch, 0, HEADER)):
         try:
@@ -54,8 +54,8 @@ def recover(cdir: Path, fd: int, epoch: int) -> None:
     # Every journaled branch, moved back or not: a cut may keep a ref's rename and lose
     # the data of the worktree files written after it (ext4 commits names first).
     _mark_recovered(cdir, refs, replay.first_old)
-    restored[cdir] = sorted(r.name for r in refs)
     _empty_stage(cdir)
+    return sorted(r.name for r in refs)
 
 
 def _empty_stage(cdir: Path) -> None:
@@ -121,12 +121,6 @@ def _remove_inside(cdir: Path, rel: str) -> None:
         if dfd is not None and name:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=dfd)
-
-
-def take_restored(cdir: Path) -> list[str]:
-    """The refs the recovery this process just ran put back (once): their ``.lock``
-    files, left by writers the power cut killed, are stale (the caller clears them)."""
-    return restored.pop(cdir, [])
 
 
 def contents(cdir: Path) -> Replay:

@@ -13,7 +13,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,12 +100,22 @@ def owner_alive(repo: pygit2.Repository, run_id: str, worker: str) -> bool:
 
 
 def fence_guard(repo: pygit2.Repository, run_id: str, fence: Fence) -> gitstore.Guard:
-    """A guard that refuses unless the lease (read under its lock) is still ``fence``."""
+    """A guard that refuses unless the lease (read under its lock) is still ``fence``.
+    Two guards of one fence are equal: a transaction staged by two stores checks it once."""
+    return gitstore.Guard(lease_ref(run_id), _FenceCheck(repo, run_id, fence))
 
-    def check(oid: pygit2.Oid | None) -> None:
+
+@dataclass(frozen=True)
+class _FenceCheck:
+    repo: pygit2.Repository = field(compare=False)
+    run_id: str
+    fence: Fence
+
+    def __call__(self, oid: pygit2.Oid | None) -> None:
+        run_id, fence = self.run_id, self.fence
         if oid is None:
             raise LeaseLost(None, f"run {run_id} has no lease; this worker no longer owns it")
-        lease = _decode(repo, oid)
+        lease = _decode(self.repo, oid)
         if lease.owner_worker != fence.owner or lease.lease_version != fence.version:
             raise LeaseLost(
                 lease.owner_worker,
@@ -117,8 +127,6 @@ def fence_guard(repo: pygit2.Repository, run_id: str, fence: Fence) -> gitstore.
                 None, f"lease {fence.version} on run {run_id} expired; renew or resume again"
             )
 
-    return gitstore.Guard(lease_ref(run_id), check)
-
 
 @contextmanager
 def fenced(repo: pygit2.Repository, run_id: str, fence: Fence) -> Iterator[None]:
@@ -127,7 +135,7 @@ def fenced(repo: pygit2.Repository, run_id: str, fence: Fence) -> Iterator[None]
     Every change of the lease (a takeover's acquire included) takes that same lock, so
     what the block writes (the worktree's instance id, the registry) lands before any
     new owner holds the run, or not at all: a stale worker gets :class:`LeaseLost`.
-    Inside the block no ``update_ref`` may fence on the lease (its lock is ours).
+    Inside the block no transaction may guard on the lease (its lock is ours).
     """
     ref = lease_ref(run_id)
     with gitstore.os_locks(repo, [ref]):
@@ -195,14 +203,9 @@ class LeaseManager:
 
     def _write(self, lease: Lease, expected: pygit2.Oid | None, what: str) -> None:
         oid = gitstore.write_blob(self.repo, canonical_bytes(encode(lease)))
-        gitstore.update_ref(
-            self.repo,
-            lease_ref(self.run_id),
-            expected,
-            oid,
-            message=f"gitrun lease {what}",
-            what=what,
-        )
+        gitstore.transaction(self.repo).move(
+            lease_ref(self.run_id), expected, oid, message=f"gitrun lease {what}", what=what
+        ).commit()
         self.lease, self._oid = lease, oid
 
     def acquire(

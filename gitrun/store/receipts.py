@@ -21,7 +21,6 @@ from gitrun.core.records import Receipt
 from gitrun.store import gitstore, trees
 from gitrun.store.lease import Fence, fence_guard
 from gitrun.store.receipt_read import branch_ref, make_receipt
-from gitrun.store.refmove import Lead
 
 
 def index_ref(run_id: str, key: str) -> str:
@@ -142,9 +141,7 @@ class GitReceiptLog:
         current = gitstore.read_ref(self.repo, ref)
         if current == oid:
             return False
-        gitstore.update_ref(
-            self.repo, ref, current, oid, message="gitrun receipt index", cache=True
-        )
+        gitstore.transaction(self.repo).index(ref, oid).commit()
         return True
 
     def rebuild_index(self) -> int:
@@ -163,31 +160,32 @@ class GitReceiptLog:
         fence: Fence,
         *,
         guards: Sequence[gitstore.Guard] = (),
-        lead: Lead | None = None,
+        txn: gitstore.Transaction | None = None,
     ) -> Appended:
         """Move the branch from ``expected`` to the write commit ``write``: the commit point.
 
-        One ref transaction locks the lease ref and refuses unless ``fence`` is current
-        (and every extra guard passes), then compares and moves the branch; the index
-        entry is derived afterwards. See :class:`gitrun.core.contracts.ReceiptStore`.
+        The branch move is staged into ``txn`` (the caller's, holding the step's intent
+        checkpoint move already, or a new one), fenced by ``fence`` and every extra guard,
+        with the key's index entry riding it, then committed: the lease is re-read under
+        its OS lock, the branch compared and moved. See
+        :class:`gitrun.core.contracts.ReceiptStore`. A replay commits nothing.
         """
         receipt, new = self._receipt_to_append(write, expected, fence)
         if not new:
             return Appended(receipt, replayed=True)  # the key has it already: nothing written
-        indexed = gitstore.update_ref(
-            self.repo,
+        txn = txn if txn is not None else gitstore.transaction(self.repo)
+        txn.guard(fence_guard(self.repo, self.run_id, fence))
+        for guard in guards:
+            txn.guard(guard)
+        txn.move(
             self.branch,
             pygit2.Oid(hex=expected),
             write,
-            guards=[fence_guard(self.repo, self.run_id, fence), *guards],
             message=f"gitrun write {receipt.key}",
             what="branch",
             crash_prefix="write_ref",
-            follow=index_ref(self.run_id, receipt.key),  # rides the branch move's last sync
-            lead=lead,  # the intent's checkpoint, renamed first in the same journal record
         )
-        if not indexed:  # its lock was held by another process: the entry on its own
-            self.write_index(receipt.key, write)
+        txn.index(index_ref(self.run_id, receipt.key), write).commit()
         return Appended(receipt, replayed=False)
 
     def _receipt_to_append(

@@ -98,7 +98,7 @@ def _clear_stale_lock(repo: pygit2.Repository, cdir: Path, refname: str) -> None
 
     Holding the OS lock proves no live gitrun writer holds the ref lock; the grace
     period keeps us off a lock a foreign git command holds for a few milliseconds.
-    The ref's real value is journaled first (:func:`gitrun.store.journal.pin`): the
+    The ref's real value is journaled first (:meth:`gitrun.store.journal.Journal.pin`): the
     dead writer's record of a move it never made is then never completed by recovery.
     """
     lockfile = ref_lock_file(cdir, refname)
@@ -111,7 +111,7 @@ def _clear_stale_lock(repo: pygit2.Repository, cdir: Path, refname: str) -> None
         if age >= STALE_LOCK_GRACE_SECONDS:
             if refname.startswith("refs/"):  # not the index: it is no ref and never journaled
                 current = read_ref(repo, refname)
-                journal.pin(cdir, refname, None if current is None else current.raw)
+                journal.of(cdir).pin(refname, None if current is None else current.raw)
             lockfile.unlink(missing_ok=True)
             return
         if time.monotonic() > deadline:

@@ -1,8 +1,8 @@
 """The reflog line of a ref gitrun moves, written as libgit2 and git would write it.
 
 gitrun writes its loose refs itself (so the new value's bytes are durable before the
-rename that makes them the ref: :func:`gitrun.store.gitstore.update_ref`), and with them the
-reflog line git keeps for branches: ``git reflog gitrun/<run>`` still lists every move of
+rename that makes them the ref: :class:`gitrun.store.refmove.Transaction`), and with
+them the reflog line git keeps for branches: ``git reflog gitrun/<run>`` still lists every move of
 a run branch. The line is appended after the barrier (so it names only published
 objects) and before the rename; the move's final sync makes it durable, at no sync of
 its own. Which refs get one follows git: ``core.logAllRefUpdates`` (true

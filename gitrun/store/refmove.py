@@ -1,4 +1,5 @@
-"""The one atomic ref-update path: :func:`update_ref` (see :mod:`gitrun.store.gitstore`).
+"""The one durable write API: a journaled multi-ref :class:`Transaction` (see
+:mod:`gitrun.store.gitstore` and docs/design.md §5).
 
 A move is made durable by one record in the repository's journal
 (:mod:`gitrun.store.journal`: the new objects' bytes and the ref's value, one
@@ -6,9 +7,8 @@ A move is made durable by one record in the repository's journal
 :mod:`gitrun.store.durable`; then the staged objects are published and the ref's
 ``.lock`` is renamed over the ref (the commit point). The file that rename replaces is
 kept (``gitrun/spare/``) and becomes the ref's next ``.lock`` (:func:`take_lock`).
-A move may be led by another (:class:`Lead`: a step's intent checkpoint riding with its
-write) in the same journal record; see "A move led by another" below and
-docs/design.md §4-§5.
+Two moves may share one journal record (a step's intent checkpoint riding with its
+write); see "Two moves, one record" below and docs/design.md §4-§5.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import random
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pygit2
@@ -38,67 +38,133 @@ from gitrun.store.reflocks import (
 )
 
 
-def update_ref(
-    repo: pygit2.Repository,
-    name: str,
-    expected: pygit2.Oid | None,
-    new: pygit2.Oid | None,
-    *,
-    guards: Sequence[Guard] = (),
-    message: str = "gitrun",
-    what: str = "",
-    crash_prefix: str = "",
-    cache: bool = False,
-    follow: str = "",
-    lead: Lead | None = None,
-) -> bool:
-    """Compare-and-swap ``name`` from ``expected`` to ``new`` (None = absent/delete).
+class Transaction:
+    """One journaled multi-ref transaction: the store's only durable write.
 
-    Every guard ref is re-read under its OS lock and its check called with its value;
-    a check that raises aborts, nothing moves. A move is durable when this returns, and
-    so is every object this process wrote before it (one journal record, or the barrier).
-    ``follow`` names a cache ref (a receipt index entry) to point at ``new`` too, in the
-    same journal record and renamed after ``name`` (so no reader sees it ahead of the
-    ref; ``cache`` marks such a ref moved alone: a barrier move skips its final sync).
-    False when the follower's lock was taken by someone else: nothing was written for
-    it, the caller moves it alone. A ``lead`` moves first in the same record; where one
-    record cannot hold both (no journal, too large), it is moved alone first.
+    Stores stage into a transaction the caller holds: :meth:`guard` (a ref re-read under
+    its OS lock and checked, never moved: the lease a write is fenced by), :meth:`move`
+    (a compare-and-swap, in order: the first moved first), :meth:`index` (a cache ref,
+    best effort: it rides in the last move's record and is renamed after it, or is moved
+    on its own when its lock is busy). :meth:`commit` then takes the sorted OS locks,
+    compares, writes one journal record (or the barrier, for a move too large for it),
+    publishes the staged objects and renames. Two moves share one record: the first is
+    renamed and its locks let go, then the second is compared again and renamed with no
+    sync of its own (docs/design.md §4-§5); a move that does not fit is made durable on
+    its own, in order. A transaction commits once; :meth:`moved` says which refs did.
     """
-    if lead is not None and (new is None or not journal.usable(common_dir(repo))):
-        move_alone(repo, lead, guards)
-        lead = None
-    names = [name, *(g.name for g in guards), *([follow] if follow else [])]
-    if new is None:
-        return _locked(
-            repo, names, name, lambda: _delete(repo, name, expected, guards, what, crash_prefix)
-        )
-    move = _Move(name, expected, new, message, what, crash_prefix, cache, follow)
-    if lead is not None:
-        return _led(repo, names, move, guards, lead)
-    return _locked(repo, names, name, lambda: _swap(repo, move, guards), move)
 
+    def __init__(self, repo: pygit2.Repository) -> None:
+        self.repo = repo
+        self._moves: list[_Move] = []
+        self._guards: list[Guard] = []
+        self._entries: list[tuple[str, pygit2.Oid]] = []
+        self._moved: set[str] = set()
+        self.committed = False
 
-def _led(
-    repo: pygit2.Repository, names: list[str], move: _Move, guards: Sequence[Guard], lead: Lead
-) -> bool:
-    """A move led by ``lead`` (see "A move led by another" below): one record, two
-    transactions."""
-    first = lambda: _lead_first(repo, move, guards, lead)  # noqa: E731
-    try:
-        _locked(repo, [*names, lead.move.name], move.name, first)
-    except NoRoom:  # one record cannot hold both: the lead first, on its own
-        move_alone(repo, lead, guards)
-        return _locked(repo, names, move.name, lambda: _swap(repo, move, guards), move)
-    lead.renamed()  # the intent durable, nothing locked: window 2
-    return _locked(repo, names, move.name, lambda: _lead_second(repo, move, guards), move)
+    def guard(self, guard: Guard) -> Transaction:
+        """Refuse the whole transaction unless ``guard`` passes under its ref's OS lock
+        (a guard equal to one staged already is checked once)."""
+        if guard not in self._guards:
+            self._guards.append(guard)
+        return self
 
+    def move(
+        self,
+        name: str,
+        expected: pygit2.Oid | None,
+        new: pygit2.Oid | None,
+        *,
+        message: str = "gitrun",
+        what: str = "",
+        crash_prefix: str = "",
+        after: tuple[str, ...] = (),
+    ) -> Transaction:
+        """Move ``name`` from ``expected`` to ``new`` (None: absent, a delete). ``what``
+        names it in a refusal, ``crash_prefix`` names its crash points, ``after`` are the
+        crash points passed right after its rename."""
+        if self.committed:
+            raise GitrunError("a committed transaction takes no more moves")
+        self._moves.append(_Move(name, expected, new, message, what, crash_prefix, after))
+        return self
 
-def move_alone(repo: pygit2.Repository, lead: Lead, guards: Sequence[Guard]) -> None:
-    """``lead`` moved as a move of its own (fenced by ``guards``), then :meth:`Lead.renamed`."""
-    m = lead.move
-    update_ref(repo, m.name, m.expected, m.new, guards=guards, message=m.message, what=m.what,
-               crash_prefix=m.crash_prefix)  # fmt: skip
-    lead.renamed()
+    def index(self, name: str, new: pygit2.Oid) -> Transaction:
+        """Point the cache ref ``name`` at ``new`` (a receipt index entry), best effort."""
+        self._entries.append((name, new))
+        return self
+
+    def moved(self, name: str) -> bool:
+        """Whether the move of ``name`` happened (its rename is done)."""
+        return name in self._moved
+
+    def commit(self) -> None:
+        """Make every staged move durable and visible, in order (see the class); a guard
+        that refuses or a compare that fails raises, and nothing of that move is seen."""
+        if self.committed:
+            raise GitrunError("a transaction commits once")
+        self.committed = True
+        moves, entries = list(self._moves), list(self._entries)
+        if moves and entries and moves[-1].new is not None and entries[0][1] == moves[-1].new:
+            moves[-1] = replace(moves[-1], follow=entries.pop(0)[0])
+        followed = True
+        shared = len(moves) == 2 and None not in (moves[0].new, moves[1].new)
+        if shared and journal.of(common_dir(self.repo)).usable():
+            followed = self._led(moves[0], moves[1])
+        else:
+            for move in moves:
+                followed = self._alone(move)
+        if not followed:  # its lock was busy: the entry on its own, as any other
+            entries.insert(0, (moves[-1].follow, moves[-1].new))  # type: ignore[arg-type]
+        for name, value in entries:
+            self._index_alone(name, value)
+
+    def _renamed(self, move: _Move) -> None:
+        self._moved.add(move.name)
+        for point in move.after:
+            faults.point(point)
+
+    def _names(self, *moves: _Move) -> list[str]:
+        names = [m.name for m in moves] + [g.name for g in self._guards]
+        return names + [m.follow for m in moves if m.follow]
+
+    def _alone(self, move: _Move) -> bool:
+        """``move`` made durable by a record (or the barrier) of its own; the follower's
+        result (True without one)."""
+        repo, guards = self.repo, self._guards
+        if move.new is None:
+            _locked(repo, self._names(move), move.name, lambda: _delete(repo, move, guards))
+            followed = True
+        else:
+            followed = _locked(
+                repo, self._names(move), move.name, lambda: _swap(repo, move, guards), move
+            )
+        self._renamed(move)
+        return followed
+
+    def _led(self, first: _Move, second: _Move) -> bool:
+        """Two moves in one record, two lock scopes (see "Two moves, one record" below)."""
+        repo, guards, names = self.repo, self._guards, self._names(first, second)
+        first_scope = lambda: _lead_first(repo, first, second, guards, self._moved)  # noqa: E731
+        try:
+            _locked(repo, names, second.name, first_scope)
+        except NoRoom:  # one record cannot hold both: each on its own, in order
+            self._alone(first)
+            return self._alone(second)
+        self._renamed(first)  # the first durable and renamed, nothing locked
+        # The first is done: the second scope locks the second's refs and the guards only.
+        again = self._names(second)
+        followed = _locked(repo, again, second.name, lambda: _lead_second(repo, second, guards))
+        self._renamed(second)
+        return followed
+
+    def _index_alone(self, name: str, new: pygit2.Oid) -> None:
+        """A cache entry moved on its own: a lost race leaves the other writer's value
+        (the index is rebuilt from history and never trusted over it)."""
+        current = read_ref(self.repo, name)
+        if current == new:
+            return
+        move = _Move(name, current, new, "gitrun receipt index", "", "", cache=True)
+        with contextlib.suppress(CasFailed):
+            _locked(self.repo, [name], name, lambda: _swap(self.repo, move, ()), move)
 
 
 def _locked(
@@ -131,7 +197,7 @@ class _LockTaken(Exception):
 
 
 class NoRoom(Exception):
-    """A move and its lead do not fit in one journal record: nothing was written."""
+    """Two moves do not fit in one journal record: nothing was written."""
 
 
 def _compare(
@@ -154,12 +220,20 @@ def _compare(
 class _Move:
     name: str
     expected: pygit2.Oid | None
-    new: pygit2.Oid
+    new: pygit2.Oid | None
     message: str
     what: str
     crash_prefix: str
-    cache: bool
-    follow: str = ""
+    after: tuple[str, ...] = ()
+    cache: bool = False  # a cache ref moved alone: a barrier move skips its final sync
+    follow: str = ""  # a cache ref riding in this move's record, renamed after it
+
+    @property
+    def value(self) -> pygit2.Oid:
+        """The new value of a move that is not a delete."""
+        if self.new is None:
+            raise GitrunError(f"the move of {self.name} is a delete")
+        return self.new
 
 
 def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool | None:
@@ -173,18 +247,18 @@ def _swap(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool
     try:
         try:
             actual = _compare(repo, move.name, move.expected, guards, move.what)
-            os.write(fd, f"{move.new}\n".encode())
+            os.write(fd, f"{move.value}\n".encode())
         finally:
             os.close(fd)
-        objects = durable.staged_closure(repo, cdir, move.new, actual)
-        staged = durable.read_staged(cdir, objects) if journal.usable(cdir) else None
-        if staged is not None and journal.fits(cdir, sum(len(d) for _, d in staged)):
+        objects = durable.staged_closure(repo, cdir, move.value, actual)
+        staged = durable.read_staged(cdir, objects) if journal.of(cdir).usable() else None
+        if staged is not None and journal.of(cdir).fits(sum(len(d) for _, d in staged)):
             moved = True  # from here _journaled releases the lock itself if it fails
             return _journaled(repo, cdir, move, actual, lock, objects, staged)
-        entry = _entry(move.name, actual, move.new, move.message)
+        entry = _entry(move.name, actual, move.value, move.message)
         barrier(repo, cdir, objects)
-        if journal.usable(cdir):  # the ref's value, so no recovery rolls it back
-            with journal.recording(cdir, (), [entry]):
+        if journal.of(cdir).usable():  # the ref's value, so no recovery rolls it back
+            with journal.of(cdir).recording((), [entry]):
                 _commit_point(repo, cdir, move, actual, lock)
         else:
             _commit_point(repo, cdir, move, actual, lock)
@@ -201,7 +275,7 @@ def take_ref_lock(cdir: Path, move: _Move) -> tuple[Path, int]:
     """``move``'s ``<ref>.lock`` taken (its spare reused where it can be) and open for its
     new value, then its ``_locked`` crash point; :class:`_LockTaken` when it exists."""
     lock = ref_lock_file(cdir, move.name)
-    fd = take_lock(lock, spare_file(cdir, move.name), len(str(move.new)) + 1)
+    fd = take_lock(lock, spare_file(cdir, move.name), len(str(move.value)) + 1)
     if fd is None:
         raise _LockTaken(f"{move.name}.lock exists")
     if move.crash_prefix:
@@ -226,7 +300,7 @@ def _commit_point(
     # stage (git fsck would call it invalid). A barrier move's final sync makes it durable;
     # a journaled move's line is written back by the kernel in its own time (a power cut
     # may cut the reflog's tail, which git fsck accepts; recovery does not rewrite it).
-    reflog.append(repo, cdir, move.name, actual, move.new, move.message)
+    reflog.append(repo, cdir, move.name, actual, move.value, move.message)
     target = cdir / move.name
     keep_replaced(target, spare_file(cdir, move.name))
     os.rename(lock, target)
@@ -243,12 +317,12 @@ def _journaled(
 ) -> bool:
     """The move made durable by one journal record (its objects' bytes, its value and its
     follower's), then published and renamed with no sync (:mod:`gitrun.store.journal`)."""
-    follower = _lock_follower(repo, cdir, move.follow, move.new) if move.follow else None
-    entries = [_entry(move.name, actual, move.new, move.message)]
+    follower = _lock_follower(repo, cdir, move.follow, move.value) if move.follow else None
+    entries = [_entry(move.name, actual, move.value, move.message)]
     if follower is not None and follower[1] != move.new:
-        entries.append(_entry(move.follow, follower[1], move.new, "gitrun receipt index"))
+        entries.append(_entry(move.follow, follower[1], move.value, "gitrun receipt index"))
     try:
-        with journal.recording(cdir, staged, entries):
+        with journal.of(cdir).recording(staged, entries):
             publish_staged(cdir, objects)
             _commit_point(repo, cdir, move, actual, lock)
             if move.crash_prefix:
@@ -269,13 +343,13 @@ def _finish(repo: pygit2.Repository, move: _Move) -> bool:
     then the follower's rename. False when its lock could not be taken (nothing written
     for it)."""
     cdir = common_dir(repo)
-    follower = _lock_follower(repo, cdir, move.follow, move.new) if move.follow else None
+    follower = _lock_follower(repo, cdir, move.follow, move.value) if move.follow else None
     if not move.cache:
         durable.sync_filesystem(cdir)  # the move is durable before anyone is told of it
     if follower is None:
         return not move.follow
-    if journal.usable(cdir) and follower[1] != move.new:
-        with journal.recording(cdir, (), [_entry(move.follow, follower[1], move.new, "")]):
+    if journal.of(cdir).usable() and follower[1] != move.new:
+        with journal.of(cdir).recording((), [_entry(move.follow, follower[1], move.value, "")]):
             _rename_follower(repo, cdir, move, follower)
         return True
     _rename_follower(repo, cdir, move, follower)
@@ -290,7 +364,7 @@ def _rename_follower(
         return
     try:
         faults.point("receipt_index_locked")
-        reflog.append(repo, cdir, move.follow, old, move.new, "gitrun receipt index")
+        reflog.append(repo, cdir, move.follow, old, move.value, "gitrun receipt index")
         os.rename(lock, cdir / move.follow)  # no sync of its own: a cache ref (see above)
     except BaseException:
         lock.unlink(missing_ok=True)
@@ -324,32 +398,25 @@ def _lock_follower(
     return lock, old
 
 
-def _delete(
-    repo: pygit2.Repository,
-    name: str,
-    expected: pygit2.Oid | None,
-    guards: Sequence[Guard],
-    what: str,
-    crash_prefix: str,
-) -> None:
-    """Remove ``name`` through libgit2 (it may rewrite ``packed-refs``, fsynced), its
+def _delete(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> None:
+    """Remove the ref through libgit2 (it may rewrite ``packed-refs``, fsynced), its
     removal journaled first so that no recovery brings back an older journaled value."""
-    cdir = common_dir(repo)
+    cdir, name = common_dir(repo), move.name
     # covering: a rotation by another process between the record and libgit2's removal
     # would leave the removal in no record; the block then ends with a syncfs.
-    with journal.covering(cdir), repo.transaction() as tx:
+    with journal.of(cdir).covering(), repo.transaction() as tx:
         tx.lock_ref(name)
-        if crash_prefix:
-            faults.point(f"{crash_prefix}_locked")
-        actual = _compare(repo, name, expected, guards, what)
-        if journal.usable(cdir) and actual is not None:
-            with journal.recording(cdir, (), [journal.RefEntry(name, None, actual.raw, "")]):
+        if move.crash_prefix:
+            faults.point(f"{move.crash_prefix}_locked")
+        actual = _compare(repo, name, move.expected, guards, move.what)
+        if journal.of(cdir).usable() and actual is not None:
+            with journal.of(cdir).recording((), [journal.RefEntry(name, None, actual.raw, "")]):
                 pass
         tx.remove(name)
     with contextlib.suppress(OSError):
         os.unlink(spare_file(cdir, name))  # no next move to serve
-    if crash_prefix:
-        faults.point(f"{crash_prefix}_moved")
+    if move.crash_prefix:
+        faults.point(f"{move.crash_prefix}_moved")
 
 
 def _hex(oid: pygit2.Oid | None) -> str | None:
@@ -471,76 +538,51 @@ def keep_replaced(target: Path, spare: str) -> None:
         pass
 
 
-# -- A move led by another ------------------------------------------------------------
-# A ref move led by another, both in one journal record: a step's intent checkpoint riding
-# with its write (:mod:`gitrun.engine.riding`), one ``fdatasync`` for both.
+# -- Two moves, one record -------------------------------------------------------------
+# Two ref moves in one journal record: a step's intent checkpoint riding with its write
+# (:mod:`gitrun.engine.riding`), one ``fdatasync`` for both.
 #
-# Two transactions, each under the OS locks of every ref involved:
+# Two lock scopes, each under the OS locks of every ref involved:
 #
-# 1. :func:`_lead_first`: the lead's ``.lock`` taken, the guards checked and both refs compared;
-#    one journal record holds both moves' new objects and all three values (lead, led ref,
-#    follower); the objects published, the lead renamed. Its locks are then let go: the
-#    intent is durable, no evidence of the write exists, and nothing is locked (window 2 of
-#    docs/design.md §6 looks as it always did; its crash points are passed between the two);
-# 2. :func:`_lead_second`: the led ref's ``.lock`` taken, the guards checked and the ref compared
-#    again (a writer that moved it in between wins: the record's value for it is pinned
-#    back to the real one, so no recovery completes it, and the move fails), then renamed
-#    with no sync of its own: the record holds its value (and should another process
-#    rotate the journal in between, the caller's :func:`gitrun.store.journal.covering`
-#    makes it durable with a ``syncfs``), then the follower.
+# 1. :func:`_lead_first`: the first move's ``.lock`` taken, the guards checked and both refs
+#    compared; one journal record holds both moves' new objects and all three values
+#    (both refs and the second's follower); the objects published, the first renamed.
+#    Its locks are then let go: the intent is durable, no evidence of the write exists,
+#    and nothing is locked (window 2 of docs/design.md §6 looks as it always did; the
+#    first move's ``after`` crash points are passed between the two);
+# 2. :func:`_lead_second`: the second's ``.lock`` taken, the guards checked and the ref
+#    compared again (a writer that moved it in between wins: the record's value for it
+#    is pinned back to the real one, so no recovery completes it, and the move fails),
+#    then renamed with no sync of its own: the record holds its value (and should another
+#    process rotate the journal in between, the caller's
+#    :meth:`gitrun.store.journal.Journal.covering` makes it durable with a ``syncfs``), then the
+#    follower.
 
 
-class Lead:
-    """A ref moved first, in the same journal record as the move it leads. ``moved``
-    says whether its rename happened; ``on_moved`` and the crash points ``after`` follow
-    that rename at once."""
-
-    def __init__(
-        self,
-        name: str,
-        expected: pygit2.Oid | None,
-        new: pygit2.Oid,
-        *,
-        message: str,
-        what: str,
-        crash_prefix: str,
-        after: tuple[str, ...] = (),
-    ) -> None:
-        self.move = _Move(name, expected, new, message, what, crash_prefix, cache=False)
-        self.after = after
-        self.moved = False
-        self.on_moved: Callable[[], None] | None = None
-
-    def renamed(self) -> None:
-        """Its rename happened: ``on_moved``, then its crash points."""
-        self.moved = True
-        if self.on_moved is not None:
-            self.on_moved()
-        for point in self.after:
-            faults.point(point)
-
-
-def _lead_first(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard], lead: Lead) -> None:
-    """Transaction 1 (the caller holds the OS locks): the record, the lead's rename.
-    :class:`NoRoom` when one record cannot hold both: nothing written."""
-    cdir, head = common_dir(repo), lead.move
+def _lead_first(
+    repo: pygit2.Repository, head: _Move, move: _Move, guards: Sequence[Guard], moved: set[str]
+) -> None:
+    """Scope 1 (the caller holds the OS locks): the record, the first move's rename (its
+    name added to ``moved`` at once). :class:`NoRoom` when one record cannot hold both:
+    nothing written."""
+    cdir = common_dir(repo)
     lead_lock, fd = take_ref_lock(cdir, head)
     handed = False
     try:
         try:
             actual = _compare(repo, move.name, move.expected, guards, move.what)
             was = _compare(repo, head.name, head.expected, (), head.what)
-            os.write(fd, f"{head.new}\n".encode())
+            os.write(fd, f"{head.value}\n".encode())
         finally:
             os.close(fd)
         objects: list[str] = []
-        for new, old in ((head.new, was), (move.new, actual)):
+        for new, old in ((head.value, was), (move.value, actual)):
             objects += [o for o in durable.staged_closure(repo, cdir, new, old) if o not in objects]
         staged = durable.read_staged(cdir, objects)
-        if not journal.fits(cdir, sum(len(d) for _, d in staged)):
+        if not journal.of(cdir).fits(sum(len(d) for _, d in staged)):
             raise NoRoom
         handed = True  # from here _recorded releases the lock itself if it fails
-        _recorded(repo, cdir, (lead, was, lead_lock), move, actual, (objects, staged))
+        _recorded(repo, (head, was, lead_lock), move, actual, (objects, staged), moved)
     finally:
         if not handed:
             _release(lead_lock)
@@ -548,43 +590,44 @@ def _lead_first(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard], l
 
 def _recorded(
     repo: pygit2.Repository,
-    cdir: Path,
-    led: tuple[Lead, pygit2.Oid | None, Path],
+    led: tuple[_Move, pygit2.Oid | None, Path],
     move: _Move,
     actual: pygit2.Oid | None,
     objects: tuple[list[str], list[tuple[bytes, bytes]]],
+    moved: set[str],
 ) -> None:
-    lead, was, lead_lock = led
+    cdir = common_dir(repo)
+    head, was, lead_lock = led
     known = read_ref(repo, move.follow) if move.follow else None
     entries = [
-        _entry(lead.move.name, was, lead.move.new, lead.move.message),
-        _entry(move.name, actual, move.new, move.message),
+        _entry(head.name, was, head.value, head.message),
+        _entry(move.name, actual, move.value, move.message),
     ]
     if move.follow and known != move.new:
-        entries.append(_entry(move.follow, known, move.new, "gitrun receipt index"))
+        entries.append(_entry(move.follow, known, move.value, "gitrun receipt index"))
     try:
-        with journal.recording(cdir, objects[1], entries):
+        with journal.of(cdir).recording(objects[1], entries):
             publish_staged(cdir, objects[0])
-            _commit_point(repo, cdir, lead.move, was, lead_lock)
-            lead.moved = True
+            _commit_point(repo, cdir, head, was, lead_lock)
+            moved.add(head.name)
     except BaseException:
         if lead_lock.exists():  # not renamed: nothing moved, and no recovery may move it
             _release(lead_lock)
-            _pin(cdir, [(lead.move.name, was), (move.name, actual)])
+            _pin(cdir, [(head.name, was), (move.name, actual)])
         raise
-    if lead.move.crash_prefix:
-        faults.point(f"{lead.move.crash_prefix}_moved")
+    if head.crash_prefix:
+        faults.point(f"{head.crash_prefix}_moved")
 
 
 def _lead_second(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) -> bool:
-    """Transaction 2 (the caller holds the OS locks again): the led ref's rename, its
+    """Scope 2 (the caller holds the OS locks again): the second ref's rename, its
     value already journaled; the follower's result (as :func:`_swap`)."""
     cdir = common_dir(repo)
     lock, fd = take_ref_lock(cdir, move)
     follower = None
     try:
         try:
-            os.write(fd, f"{move.new}\n".encode())
+            os.write(fd, f"{move.value}\n".encode())
         finally:
             os.close(fd)
         try:
@@ -592,7 +635,7 @@ def _lead_second(repo: pygit2.Repository, move: _Move, guards: Sequence[Guard]) 
         except GitrunError:  # moved meanwhile (or the lease lost): the record's value goes
             _pin(cdir, [(move.name, read_ref(repo, move.name))])
             raise
-        follower = _lock_follower(repo, cdir, move.follow, move.new) if move.follow else None
+        follower = _lock_follower(repo, cdir, move.follow, move.value) if move.follow else None
         _commit_point(repo, cdir, move, actual, lock)
     except BaseException:
         if lock.exists():
@@ -611,4 +654,4 @@ def _pin(cdir: Path, refs: list[tuple[str, pygit2.Oid | None]]) -> None:
     """Journal each ref's real value (its record's move never happened)."""
     for name, value in refs:
         with contextlib.suppress(GitrunError, OSError):  # the move's own error is the one
-            journal.pin(cdir, name, value.raw if value is not None else None)
+            journal.of(cdir).pin(name, value.raw if value is not None else None)

@@ -12,8 +12,9 @@ They implement :mod:`gitrun.core.contracts` (the conformance suite runs on them)
 
 - **Reads** fetch the run's refs with explicit refspecs (:func:`run_refspecs`) first, then
   read the local cache with the git store's own readers (signature checks included).
-- **Every commit point is one** ``git push --atomic`` (:meth:`RemoteSite.transact`) with a
-  ``--force-with-lease`` per ref it moves. It is planned on the cache; a rejected push
+- **Every commit point is one** ``git push --atomic`` (:meth:`RemoteSite.transact`, a
+  :class:`RemoteTransaction`: the local store's shape, guard, moves and index entries)
+  with a ``--force-with-lease`` per ref it moves. It is planned on the cache; a rejected push
   (a lost CAS, or a stale cache) is re-planned on freshly fetched refs, and only a
   decision made on fresh refs is final (CasFailed, LeaseLost, a replay...).
 - **Fencing on the server**: git sends no command for a ref whose value is unchanged,
@@ -31,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import pygit2
 
@@ -151,17 +152,20 @@ class RemoteSite:
         blob = gitstore.write_blob(self.repo, canonical_bytes(encode(moved)))
         return Update(guard.name, str(blob), str(oid))
 
-    def transact(self, run_id: str, plan: Callable[[], tuple[list[Update], T]], what: str) -> T:
-        """Run ``plan`` on the cache and push its updates atomically; its result.
+    def transact(self, run_id: str, plan: Callable[[RemoteTransaction], T], what: str) -> T:
+        """Stage a transaction with ``plan`` on the cache and commit it (one atomic push);
+        ``plan``'s result.
 
-        ``plan`` raises a refusal or returns (updates, result); no updates means nothing
-        to write. Any outcome but a pushed write is decided again on fresh refs before it
-        counts; a rejected push is re-planned on fresh refs, at most :data:`MAX_PUSHES` times.
+        ``plan`` raises a refusal or stages guards, moves and index entries into the
+        transaction it is handed (nothing staged: nothing to write). Any outcome but a
+        pushed write is decided again on fresh refs before it counts; a rejected push is
+        re-planned on fresh refs, at most :data:`MAX_PUSHES` times.
         """
         fresh, rejected = False, None
         for _ in range(MAX_PUSHES + 1):
+            txn = RemoteTransaction(self, run_id)
             try:
-                updates, result = plan()
+                result = plan(txn)
             except RemoteUnavailable:
                 raise
             except GitrunError:
@@ -170,15 +174,14 @@ class RemoteSite:
                 self.sync(run_id)
                 fresh = True
                 continue
-            if not updates and not fresh:
+            if not txn.updates and not fresh:
                 self.sync(run_id)
                 fresh = True
                 continue
-            if not updates:
+            if not txn.updates:
                 return result
-            rejected = self.remote.push(updates, what)
+            rejected = txn.commit(what)
             if rejected is None:
-                self.cache(updates)
                 return result
             self.sync(run_id)
             fresh = True
@@ -192,7 +195,9 @@ class RemoteSite:
             if current == new:
                 continue
             try:
-                gitstore.update_ref(self.repo, update.ref, current, new, message="gitrun remote")
+                gitstore.transaction(self.repo).move(
+                    update.ref, current, new, message="gitrun remote"
+                ).commit()
             except CasFailed:
                 continue  # another process of this machine cached a newer value
 
@@ -204,6 +209,61 @@ def _refusing(remote: Remote, what: str, rejected: Rejected | None) -> RemoteUna
         f"the remote keeps refusing the update ({why}); it must allow forced pushes to "
         "refs/gitrun/* and pushes to refs/heads/gitrun/*",
     )
+
+
+class RemoteTransaction:
+    r"""The remote store's transaction, the shape of the local one
+    (:class:`gitrun.store.refmove.Transaction`): :meth:`guard` a fence (the server checks
+    it by a move of the lease ref in the same push: git sends no command for an unchanged
+    ref), ordered :meth:`move`\ s compared with the cache first, best-effort :meth:`index`
+    entries; :meth:`commit` is one ``git push --atomic`` with a ``--force-with-lease`` per
+    ref, and writes the cache only after the push succeeded. Planned by
+    :meth:`RemoteSite.transact`, which stages a fresh one on fresh refs after a rejection."""
+
+    def __init__(self, site: RemoteSite, run_id: str) -> None:
+        self.site = site
+        self.run_id = run_id
+        self.updates: list[Update] = []
+
+    def guard(self, fence: Fence) -> RemoteTransaction:
+        """Refuse unless ``fence`` is the lease the cache holds; the server checks it too."""
+        self.updates.append(self.site.fence_update(self.run_id, fence))
+        return self
+
+    def move(
+        self,
+        ref: str,
+        expected: str | None,
+        new: str | None,
+        *,
+        what: str = "",
+        seen: str | Literal["cache"] | None = "cache",
+    ) -> RemoteTransaction:
+        """Move ``ref`` from ``expected`` to ``new`` (None: absent, a delete): CasFailed now
+        unless ``seen`` (the value the caller read; by default the cache's) is
+        ``expected``, and the server's compare in the push."""
+        actual = _hex(gitstore.read_ref(self.site.repo, ref)) if seen == "cache" else seen
+        if actual != expected:
+            raise CasFailed(ref, expected, actual, what)
+        self.updates.append(Update(ref, new, expected))
+        return self
+
+    def index(
+        self, ref: str, new: str, *, seen: str | Literal["cache"] | None = "cache"
+    ) -> RemoteTransaction:
+        """Point the cache ref ``ref`` at ``new`` unless it does already (leased on what
+        was ``seen``, by default the cache's value)."""
+        current = _hex(gitstore.read_ref(self.site.repo, ref)) if seen == "cache" else seen
+        if current != new:
+            self.updates.append(Update(ref, new, current))
+        return self
+
+    def commit(self, what: str) -> Rejected | None:
+        """One atomic push of every staged update; the cache follows a push that took."""
+        rejected = self.site.remote.push(self.updates, what)
+        if rejected is None:
+            self.site.cache(self.updates)
+        return rejected
 
 
 class RemoteCheckpointLog(CheckpointStore):
@@ -239,12 +299,11 @@ class RemoteCheckpointLog(CheckpointStore):
             self.site.sync(run_id)
             oid = self.write(ref, state, expected)
 
-        def plan() -> tuple[list[Update], pygit2.Oid]:
-            updates = [self.site.fence_update(run_id, fence)] if fence is not None else []
-            actual = gitstore.read_ref(self.site.repo, ref)
-            if actual != expected:
-                raise CasFailed(ref, _hex(expected), _hex(actual), what)
-            return [*updates, Update(ref, str(oid), _hex(expected))], oid
+        def plan(txn: RemoteTransaction) -> pygit2.Oid:
+            if fence is not None:
+                txn.guard(fence)
+            txn.move(ref, _hex(expected), str(oid), what=what)
+            return oid
 
         pushed = self.site.transact(run_id, plan, f"pushing {what} of run {run_id}")
         self._see(Mark(run_id, ref, state.generation, str(pushed)))
@@ -367,13 +426,10 @@ class RemoteReceiptLog(GitReceiptLog):
     def _index(self, entries: dict[str, str]) -> int:
         """Push the index entries that differ (one atomic push); how many were written."""
 
-        def plan() -> tuple[list[Update], int]:
-            updates = []
+        def plan(txn: RemoteTransaction) -> int:
             for key, commit in sorted(entries.items()):
-                current = _hex(gitstore.read_ref(self.site.repo, index_ref(self.run_id, key)))
-                if current != commit:
-                    updates.append(Update(index_ref(self.run_id, key), commit, current))
-            return updates, len(updates)
+                txn.index(index_ref(self.run_id, key), commit)
+            return len(txn.updates)
 
         return self.site.transact(self.run_id, plan, f"repairing run {self.run_id}'s index")
 
@@ -384,34 +440,27 @@ class RemoteReceiptLog(GitReceiptLog):
         fence: Fence,
         *,
         guards: Sequence[gitstore.Guard] = (),
-        lead: object = None,
+        txn: gitstore.Transaction | None = None,
     ) -> Appended:
         """Push the branch from ``expected`` to ``write`` with its index entry, an exec's
         output ref and the lease move, in one atomic push (see
-        :class:`gitrun.core.contracts.ReceiptStore`); no intent rides with it (``lead``)."""
-        if lead is not None:
+        :class:`gitrun.core.contracts.ReceiptStore`); no local transaction rides with it."""
+        if txn is not None:
             raise GitrunError("a --remote run's intent checkpoint cannot ride with its write")
 
-        def plan() -> tuple[list[Update], Appended]:
+        def plan(txn: RemoteTransaction) -> Appended:
             receipt, new = self._receipt_to_append(write, expected, fence)
             if not new:
-                return [], Appended(receipt, replayed=True)
-            moved = self.site.fence_update(self.run_id, fence)
+                return Appended(receipt, replayed=True)
+            txn.guard(fence)
             tip = gitstore.read_ref(self.site.repo, self.branch)
             for guard in guards:
                 guard.check(tip)
-            if _hex(tip) != expected:
-                raise CasFailed(self.branch, expected, _hex(tip), "branch")
-            updates = [
-                moved,
-                Update(self.branch, str(write), expected),
-                Update(index_ref(self.run_id, receipt.key), str(write), None),
-            ]
+            txn.move(self.branch, expected, str(write), what="branch", seen=_hex(tip))
+            txn.index(index_ref(self.run_id, receipt.key), str(write), seen=None)
             if receipt.output is not None:  # an exec's output tree: reachable on the remote
-                ref = output_ref(self.run_id, receipt.key)
-                there = _hex(gitstore.read_ref(self.site.repo, ref))
-                updates.append(Update(ref, receipt.output, there))
-            return updates, Appended(receipt, replayed=False)
+                txn.index(output_ref(self.run_id, receipt.key), receipt.output)
+            return Appended(receipt, replayed=False)
 
         return self.site.transact(self.run_id, plan, f"pushing a write of run {self.run_id}")
 

@@ -32,8 +32,7 @@ from gitrun.store.lease import (
     owner_lock_path,
     read_lease,
 )
-from gitrun.store.remote import RemoteSite
-from gitrun.store.remote_git import Update
+from gitrun.store.remote import RemoteSite, RemoteTransaction
 
 
 def _until(expires_at: float) -> str:
@@ -89,16 +88,17 @@ class RemoteLeaseStore(LeaseManager):
             1, self.run_id, self.worker, version, now + self.duration, state_version, now, now
         )
         blob = gitstore.write_blob(self.repo, canonical_bytes(encode(lease)))
-        update = Update(lease_ref(self.run_id), str(blob), None if oid is None else str(oid))
+        old = None if oid is None else str(oid)
+        txn = RemoteTransaction(self.site, self.run_id)
+        txn.move(lease_ref(self.run_id), old, str(blob), what="lease", seen=old)
         try:
-            rejected = self.site.remote.push([update], f"taking the lease of run {self.run_id}")
+            rejected = txn.commit(f"taking the lease of run {self.run_id}")
         except GitrunError:
             self._drop_owner_lock()
             raise
         if rejected is not None:
             self._drop_owner_lock()
             raise self._lost_race()
-        self.site.cache([update])
         self.lease, self._oid, self._taken_over = lease, blob, taken_over
         return lease
 
@@ -136,7 +136,7 @@ class RemoteLeaseStore(LeaseManager):
         if self.lease is None:
             raise LeaseLost(None, "renew without a lease")
 
-        def plan() -> tuple[list[Update], Lease]:
+        def plan(txn: RemoteTransaction) -> Lease:
             current, oid = self._ours("renewal")
             now = time.time()
             lease = replace(
@@ -146,7 +146,8 @@ class RemoteLeaseStore(LeaseManager):
                 state_version=current.state_version if state_version is None else state_version,
             )
             blob = gitstore.write_blob(self.repo, canonical_bytes(encode(lease)))
-            return [Update(lease_ref(self.run_id), str(blob), str(oid))], lease
+            txn.move(lease_ref(self.run_id), str(oid), str(blob), what="lease", seen=str(oid))
+            return lease
 
         self.lease = self.site.transact(self.run_id, plan, f"renewing run {self.run_id}'s lease")
         return self.lease
@@ -157,11 +158,11 @@ class RemoteLeaseStore(LeaseManager):
             self._drop_owner_lock()
             return
 
-        def plan() -> tuple[list[Update], None]:
+        def plan(txn: RemoteTransaction) -> None:
             current, oid = self._ours("release")
             lease = replace(current, expires_at=time.time())
             blob = gitstore.write_blob(self.repo, canonical_bytes(encode(lease)))
-            return [Update(lease_ref(self.run_id), str(blob), str(oid))], None
+            txn.move(lease_ref(self.run_id), str(oid), str(blob), what="lease", seen=str(oid))
 
         try:
             self.site.transact(self.run_id, plan, f"releasing run {self.run_id}'s lease")

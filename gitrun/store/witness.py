@@ -81,6 +81,8 @@ class Witness:
         self._verified: dict[tuple[str, int, bytes], Mark] = {}
         self._pending: dict[str, Future[None]] = {}  # run -> its deferred slot sync
         self._settled: set[str] = set()  # runs whose witness this process made durable
+        self._syncer: ThreadPoolExecutor | None = None  # the deferred syncs' one thread
+        self._pid = os.getpid()
 
     def path(self, run_id: str) -> Path:
         found = self._paths.get(run_id)
@@ -204,6 +206,7 @@ class Witness:
         for it. An advance defers (its checkpoint is durable already, and a witness one
         generation behind its ref is the crash window the reader admits); the run's next
         checkpoint settles first, so the witness is never two generations behind."""
+        self._own()
         slot = self._encode(mark)
         path = self.path(mark.run_id)
         if mark.generation == 1:
@@ -220,7 +223,7 @@ class Witness:
             os.pwrite(fd, slot[TEAR_AT:], offset + TEAR_AT)
             if defer:
                 self.settle(mark.run_id)  # never two pending: each error is raised
-                self._pending[mark.run_id] = _syncer().submit(_sync_and_close, fd, path)
+                self._pending[mark.run_id] = self._thread().submit(_sync_and_close, fd, path)
                 fd = -1
             else:
                 _sync(fd, path)
@@ -236,6 +239,7 @@ class Witness:
         waited for (its error raised), or, the first time for the run in this process,
         the file synced (a process killed before its deferred sync ran may have left it
         unsynced). Called before anything of the run's next checkpoint is written."""
+        self._own()
         pending = self._pending.pop(run_id, None)
         if pending is not None:
             pending.result()
@@ -250,6 +254,21 @@ class Witness:
             finally:
                 os.close(fd)
         self._settled.add(run_id)
+
+    def _own(self) -> None:
+        """In a forked child (threads do not survive a fork): no deferred sync of the
+        parent's is this process's to wait for, and nothing is known settled here (each
+        run's file is synced at its first settle); a thread of its own when it needs one."""
+        if self._pid != os.getpid():
+            self._pid, self._pending, self._settled, self._syncer = os.getpid(), {}, set(), None
+
+    def _thread(self) -> ThreadPoolExecutor:
+        """The one background thread for deferred witness syncs (made at the first)."""
+        if self._syncer is None:
+            from concurrent.futures import ThreadPoolExecutor  # writers only: not at import
+
+            self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gitrun-witness")
+        return self._syncer
 
     def _create(self, path: Path, slot: bytes) -> None:
         """The first mark: made aside and renamed in, so the file is whole or absent."""
@@ -306,26 +325,6 @@ def _sync_and_close(fd: int, path: Path) -> None:
         _sync(fd, path)
     finally:
         os.close(fd)
-
-
-_syncers: list[ThreadPoolExecutor] = []
-
-
-def _syncer() -> ThreadPoolExecutor:
-    """One background thread for deferred witness syncs (made at the first; a forked
-    child makes its own: threads do not survive a fork)."""
-    if not _syncers:
-        from concurrent.futures import ThreadPoolExecutor  # writers only: not at import
-
-        _syncers.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="gitrun-witness"))
-    return _syncers[0]
-
-
-def _forget_syncer() -> None:
-    _syncers.clear()
-
-
-os.register_at_fork(after_in_child=_forget_syncer)
 
 
 def admit(path: Path, reading: Reading | None, here: Mark, parent: str | None) -> bool:
