@@ -87,13 +87,16 @@ class Queue:
         return CACHE + name.removeprefix(PREFIX)
 
     def borrow(self, object_dirs: list[Path]) -> None:
-        """Let pushes send objects of these repositories (each worker's own clones)."""
+        """Let pushes send objects of these repositories (each worker's own clones).
+        Under the queue's lock: two processes of one workspace borrowing at once would
+        each write the file from what it read, and one entry would be lost."""
         path = Path(self.repo.path) / "objects" / "info" / "alternates"
-        have = path.read_text().split("\n") if path.is_file() else []
-        want = sorted({*filter(None, have), *(str(d.resolve()) for d in object_dirs)})
-        if want != sorted(filter(None, have)):
-            atomic_write(path, ("\n".join(want) + "\n").encode())
-            self.repo = pygit2.Repository(self.repo.path)  # re-read the alternates
+        with FileLock(f"{self.repo.path.rstrip('/')}.lock"):
+            have = path.read_text().split("\n") if path.is_file() else []
+            want = sorted({*filter(None, have), *(str(d.resolve()) for d in object_dirs)})
+            if want != sorted(filter(None, have)):
+                atomic_write(path, ("\n".join(want) + "\n").encode())
+        self.repo = pygit2.Repository(self.repo.path)  # re-read the alternates
 
     def refresh(self) -> dict[str, Entry]:
         """Every instance run's state as the remote has it now (one fetch)."""

@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 from gitrun.app import swebench_env
 from gitrun.app.swebench_queue import CLAIMED, DONE, Entry, Queue
 from gitrun.app.swebench_remote import Heartbeat, Pool, Shared, open_queue, write_logs
@@ -85,8 +83,7 @@ def settle(ctx: Context, job: Job, rid: str) -> dict[str, Any]:
     queue = open_queue(ctx)
     ws = Path(ctx.workspace) if ctx.workspace else Workspace().root
     repo_dir = find_repo(Path(ctx.repos), job.inst.repo, ws, job.inst.base_commit)
-    with FileLock(f"{queue.repo.path.rstrip('/')}.lock"):  # tasks of one node share it
-        queue.borrow([_objects_dir(repo_dir)])  # the landing push sends the run's branch
+    queue.borrow([_objects_dir(repo_dir)])  # the landing push sends the run's branch
     iid = job.inst.instance_id
     seen: list[dict[str, Any]] = []
     shared = Shared(ctx, queue, {rid: job}, lambda _, out: seen.append(out) if out else None)
