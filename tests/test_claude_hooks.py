@@ -208,6 +208,28 @@ def test_rm_refuses_a_takeover_time_that_is_not_a_number_of_seconds(
     assert git(repo, "rev-parse", "--verify", "-q", "gitrun/c1").strip()
 
 
+def test_the_runs_worktree_is_locked_so_git_will_not_remove_it_and_gitrun_rm_does(
+    run: tuple[Path, Path, Path],
+) -> None:
+    ws, repo, wt = run
+    reason = "gitrun run c1; `gitrun rm c1` removes it"
+    assert f"locked {reason}\n" in git(repo, "worktree", "list", "--porcelain")
+    refused = subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(wt)],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    assert refused.returncode != 0
+    assert f"cannot remove a locked working tree, lock reason: {reason}" in refused.stderr
+    assert (wt / "a.txt").is_file()
+    locked = repo / ".git" / "worktrees" / "gitrun-c1" / "locked"
+    locked.unlink()  # a run made before gitrun locked its worktrees: locked when next opened
+    call(ws, "toolu_relocking_01")
+    assert locked.read_text() == f"{reason}\n"
+    removed = gitrun(ws, "rm", "c1")
+    assert removed.returncode == 0, removed.stderr
+    assert not wt.exists()
+    assert str(wt) not in git(repo, "worktree", "list")
+    assert not (repo / ".git" / "worktrees" / "gitrun-c1").exists()
+
+
 @contextmanager
 def helper(
     ws: Path, tmp_path: Path, env: dict[str, str] | None = None

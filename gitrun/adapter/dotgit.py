@@ -9,10 +9,18 @@ sandbox shows), opens the worktree's repository by its admin dir and never throu
 ``.git`` entry (:func:`gitrun.adapter.environment.Environment.wt`), and after every exec
 requires the entry to be exactly that file again (:func:`problem`), putting it back
 (:func:`put_back`) and refusing the step otherwise.
+
+Without its ``.git`` file the worktree looks gone to ``git worktree prune``, which would
+delete its admin dir (instance id, record, HEAD) and end the run. So gitrun's worktrees
+are locked the way ``git worktree lock`` does it (:func:`lock`): prune keeps a locked
+worktree's admin dir whatever its ``.git``, and ``git worktree remove``/``move`` refuse
+with the reason. Every gitrun path that removes a worktree on purpose unlocks it first
+(:func:`unlock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -22,12 +30,28 @@ from gitrun.adapter import safefs, shell
 from gitrun.store.atomicfile import atomic_write
 
 RECORD = "gitrun-dotgit"  # in the admin dir: the bytes of the worktree's .git file
+LOCKED = "locked"  # git's own lock file in the admin dir; it holds the reason
 DOTGIT = ".git"
 
 
 def admin_dir(common_dir: Path, run_id: str) -> Path:
     """The worktree's admin dir: where gitrun made it (:meth:`Environment.create`)."""
     return common_dir / "worktrees" / f"gitrun-{run_id}"
+
+
+def lock(admin: Path, run_id: str) -> None:
+    """Lock the worktree as ``git worktree lock --reason`` does, unless it is already
+    (a worktree made before gitrun locked them is locked when next opened)."""
+    if not os.path.lexists(admin / LOCKED):
+        reason = f"gitrun run {run_id}; `gitrun rm {run_id}` removes it\n"
+        atomic_write(admin / LOCKED, reason.encode())
+
+
+def unlock(admin: Path) -> None:
+    """``git worktree unlock``: before gitrun removes the worktree on purpose (libgit2's
+    prune refuses a locked one)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(admin / LOCKED)
 
 
 def _read_file(path: Path) -> tuple[os.stat_result, bytes | None]:

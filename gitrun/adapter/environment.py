@@ -139,6 +139,8 @@ class Environment(WorktreeFiles):
                     "missing); the run cannot go on there: its receipts stay on "
                     f"the branch {self.branch.removeprefix('refs/heads/')}",
                 )
+            with contextlib.suppress(OSError):  # best effort: a read-only repository
+                dotgit.lock(admin, self.run_id)  # keeps `git worktree prune` off it
             self._wt = gitstore.open_repo(admin)
         return self._wt
 

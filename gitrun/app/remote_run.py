@@ -20,6 +20,7 @@ import shutil
 import time
 from pathlib import Path
 
+from gitrun.adapter import dotgit
 from gitrun.adapter.environment import Environment, branch_ref, create_instance
 from gitrun.adapter.worktree import INDEX_BASE_FILE
 from gitrun.app.opening import Options, base_parts
@@ -155,6 +156,7 @@ def _worktree_at_tip(site: RemoteSite, run_id: str, worktree: Path, instance_id:
     adopt killed before it registered holds nothing the remote lacks: it is made anew."""
     repo = site.repo
     name = f"gitrun-{run_id}"
+    dotgit.unlock(dotgit.admin_dir(gitstore.common_dir(repo), run_id))  # else prune refuses
     if name in repo.list_worktrees():
         repo.lookup_worktree(name).prune(True)
     shutil.rmtree(gitstore.common_dir(repo) / "worktrees" / name, ignore_errors=True)

@@ -19,7 +19,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from gitrun.adapter import shell
+from gitrun.adapter import dotgit, shell
 from gitrun.app.opening import Opened, Options, lease_store, load_verified, open_run
 from gitrun.core.errors import EnvironmentDrift, GitrunError
 from gitrun.store import gitstore, trees
@@ -49,6 +49,7 @@ def remove(run_id: str, opts: Options, *, force: bool = False) -> Removed:
         if not force and worktree.is_dir():
             _check_saved(opened, worktree)
         wt_name = f"gitrun-{run_id}"
+        dotgit.unlock(dotgit.admin_dir(gitstore.common_dir(repo), run_id))  # else prune refuses
         if wt_name in repo.list_worktrees():
             repo.lookup_worktree(wt_name).prune(True)
         shutil.rmtree(gitstore.common_dir(repo) / "worktrees" / wt_name, ignore_errors=True)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from gitrun.adapter import dotgit
 from gitrun.adapter.gittypes import Repository, discover
 from gitrun.app.workspace import RunRecord, Workspace
 from gitrun.core.errors import CheckpointRejected, GitrunError, KeyFileError
@@ -152,6 +153,7 @@ def check_unstarted(repo: Repository, rec: RunRecord) -> None:
 def discard_setup(repo: Repository, rec: RunRecord) -> None:
     """Undo a setup a crash interrupted before the first checkpoint (nothing was done)."""
     wt_name = f"gitrun-{rec.run_id}"
+    dotgit.unlock(dotgit.admin_dir(gitstore.common_dir(repo), rec.run_id))  # else prune refuses
     if wt_name in repo.list_worktrees():
         repo.lookup_worktree(wt_name).prune(True)
     # add_worktree killed half-way leaves an admin dir libgit2 neither lists nor prunes,
