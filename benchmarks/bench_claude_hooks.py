@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import resource
-import shlex
 import subprocess
 import sys
 import time
@@ -67,11 +66,12 @@ def payload(event: str, tool: str, key: str, tool_input: Mapping[str, object]) -
 def hook_argv(home: Path, event: str, socket: Path | None = None) -> list[str]:
     """The hook command ``gitrun claude`` writes into the session's settings: with the
     helper's socket, the small client that asks the resident helper; without, the hook
-    doing the work in a process of its own."""
+    doing the work in a process of its own. Run as Claude Code runs it: one shell line
+    (a PreToolUse line ends in ``|| exit 2``)."""
     from gitrun.app.opening import cli_options
     from gitrun.integrations.claude_code import hook_command
 
-    return shlex.split(hook_command(event, RUN_ID, cli_options(home, None), socket=socket))
+    return ["sh", "-c", hook_command(event, RUN_ID, cli_options(home, None), socket=socket)]
 
 
 @contextmanager
