@@ -37,7 +37,6 @@ from gitrun.core.codec import digest
 from gitrun.core.errors import BadInput, Frozen, GateRejected
 from gitrun.core.exec_policy import OutputLimits
 from gitrun.core.records import (
-    AWAITING_APPROVAL,
     EXEC,
     NEEDS_REVIEW,
     RUNNING,
@@ -49,6 +48,7 @@ from gitrun.core.records import (
 )
 from gitrun.engine.jsonrpc import RpcError
 from gitrun.engine.recovery import reconcile
+from gitrun.engine.session import propose
 from gitrun.engine.session_agent import SessionAgent
 from gitrun.engine.session_rpc import KEY_PATTERN, check_key
 from gitrun.store.atomicfile import replace_unsynced
@@ -237,14 +237,7 @@ class ToolRun:
         if found is not None and found.intent_digest == action.intent_digest():
             return found
         checked = rt.gate.check_action(action, tree_at(self.rt.env, self.rt.state.env.tree))
-        rt.abandoned = None
-        self.agent.slot.put(checked, key)
-        rt.step()
-        s = rt.state
-        if s.pending is None:  # the runtime refused it (a budget): the run may have ended
-            raise GateRejected(s.stop_reason or "refused", f"the run is {s.phase}: {s.stop_reason}")
-        if s.phase == AWAITING_APPROVAL:
-            raise Frozen(rt.frozen_message())
+        propose(rt, self.agent, checked, key)
         rt.execute_pending()
         s = rt.state
         if s.phase == NEEDS_REVIEW:

@@ -54,6 +54,21 @@ MAX_RECENT_RECEIPTS = 10
 MAX_OUTPUT_TAIL = 8000
 
 
+def propose(rt: Runtime, agent: SessionAgent, checked: Action, key: str | None) -> RunState:
+    """Hand ``checked`` to the run as the agent's next proposal and step to its intent.
+    The runtime refusing it (a budget: the run may have ended) is GateRejected; a risky
+    action waiting for an approval is Frozen. The state, with the step pending."""
+    rt.abandoned = None
+    agent.slot.put(checked, key)
+    rt.step()
+    s = rt.state
+    if s.pending is None:
+        raise GateRejected(s.stop_reason or "refused", f"the run is {s.phase}: {s.stop_reason}")
+    if s.phase == AWAITING_APPROVAL:
+        raise Frozen(rt.frozen_message())
+    return s
+
+
 class Session:
     """One connection: requests in, responses out, each write one runtime step."""
 
@@ -293,14 +308,9 @@ class Session:
                 return replayed
         checked = rt.gate.check_action(action, self._tree())  # refused: nothing is written
         writes = rt.env.write_count
-        rt.abandoned = None
-        self.agent.slot.put(checked, key)
-        rt.step()
-        s = rt.state
-        if s.pending is None:  # the runtime refused it (a budget): the run may have ended
-            raise GateRejected(s.stop_reason or "refused", f"the run is {s.phase}: {s.stop_reason}")
-        if s.phase == AWAITING_APPROVAL:
-            raise Frozen(rt.frozen_message())
+        s = propose(rt, self.agent, checked, key)
+        if s.pending is None:
+            raise GitrunError("propose() returned a state with nothing pending")
         pending_key = s.pending.key
         rt.execute_pending()
         s = rt.state
