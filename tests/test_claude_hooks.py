@@ -415,3 +415,26 @@ def test_a_session_set_up_without_launching_has_hooks_that_work_alone(
     for entries in hooks.values():
         argv = shlex.split(entries[0]["hooks"][0]["command"])
         assert argv[1:6] == ["-P", "-E", "-m", "gitrun", "hook"]
+
+
+def test_a_hook_client_with_no_helper_never_imports_a_gitrun_package_in_the_worktree(
+    run: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """The small client falls back to the in-process hook when its helper is gone. Claude
+    Code starts hooks in the worktree, where the model's Bash can plant a ``gitrun/``
+    package: ``python -m gitrun`` there would run it (the planted hook says yes to every
+    call and records nothing). The fallback runs gitrun's own package, with ``-P -E``."""
+    ws, _, wt = run
+    marker = tmp_path / "planted-hook-ran"
+    (wt / "gitrun").mkdir()
+    (wt / "gitrun" / "__init__.py").write_text("")
+    (wt / "gitrun" / "__main__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    line = hook_command("pre-tool-use", "c1", cli_options(ws, None), socket=tmp_path / "gone.sock")
+    data = {"session_id": "s-1", "hook_event_name": "PreToolUse", "tool_name": "Write",
+            "tool_input": {"file_path": str(wt / ".git" / "config"), "content": "x"},
+            "tool_use_id": "toolu_planted_1"}  # fmt: skip
+    asked = subprocess.run(["sh", "-c", line], cwd=wt, input=json.dumps(data).encode(),
+                           capture_output=True, timeout=120, check=False)  # fmt: skip
+    assert not marker.exists()
+    assert asked.returncode == 2, asked.stderr  # gitrun's own hook refused the .git write
+    assert b"rule" in asked.stderr
